@@ -1,0 +1,1 @@
+"""Optimizers (ANVIL, NorMuon, Adam), their sharding across ranks, the schedule, tail averages."""

@@ -1,0 +1,1 @@
+"""Run logs, the append-only runs log (runs.jsonl) and the records report."""

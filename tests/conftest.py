@@ -1,0 +1,35 @@
+"""Shared test set-up: offline hub, the GPT-2 BPE cache, shared text, and GPU skipping.
+
+Tests read `../shared` (beside the repository root) but never copy it into the project.
+"""
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DIR = REPO_ROOT.parent / "shared"
+TINY_SHAKESPEARE = SHARED_DIR / "data" / "tinyshakespeare.txt"
+
+# Tests never touch the network: the hub stays offline and tiktoken reads the shared BPE cache.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if (SHARED_DIR / "tiktoken_cache").is_dir():
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_DIR / "tiktoken_cache"))
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (run perf/gpu_check.py on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def tiny_shakespeare_path() -> Path:
+    if not TINY_SHAKESPEARE.is_file():
+        pytest.skip(f"shared text missing: {TINY_SHAKESPEARE}")
+    return TINY_SHAKESPEARE
