@@ -1,0 +1,181 @@
+"""Summarise runs.jsonl: is it a record, and is it faster than the baseline?
+
+    python -m records.report [--runs FILE] [--group-by KEY] [--baseline VALUE] [--plot OUT.png]
+
+Per group (default key: config; any runs.jsonl field works, e.g. label or git_commit) of finished
+runs: n, mean ± sample std of train time and of val loss, the one-sided t-test of the mean val loss
+being below the 3.28 target (`scipy.stats.ttest_1samp(..., alternative='less')`; t is printed as the
+margin (3.28 − mean)/(s/√n), positive when below, as upstream statistics.md does), and a Welch
+t-test (two-sided) of each group against the baseline group on time and on loss. Printed as a
+Markdown table. Without scipy the p-values are left out (the rest still prints); without
+matplotlib --plot is skipped with a message. Malformed lines are reported with their line number.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from records.run_log import parse_log
+from records.runs_log import DEFAULT_RUNS_PATH, read_runs
+
+TARGET_VAL_LOSS = 3.28  # the speedrun's target (track 1: val loss <= 3.28 on FineWeb)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
+
+
+def _fmt_pm(mean: float, std: float, digits: int) -> str:
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if not math.isnan(std) else f"{mean:.{digits}f}"
+
+
+def _fmt_p(p: float | None) -> str:
+    if p is None:
+        return "needs scipy"
+    return "n/a" if math.isnan(p) else f"{p:.2e}"
+
+
+def target_test(losses: list[float], target: float = TARGET_VAL_LOSS):
+    """(t margin below target, degrees of freedom, one-sided p or None without scipy)."""
+    n = len(losses)
+    if n < 2:
+        return math.nan, 0, math.nan
+    mean, std = _mean_std(losses)
+    t_margin = (target - mean) / (std / math.sqrt(n)) if std > 0 else math.inf
+    try:
+        from scipy import stats
+    except ImportError:
+        return t_margin, n - 1, None
+    return t_margin, n - 1, float(stats.ttest_1samp(losses, target, alternative="less").pvalue)
+
+
+def welch_p(a: list[float], b: list[float]) -> float | None:
+    """Two-sided Welch p of mean(a) != mean(b); nan when a side has fewer than 2 runs."""
+    if len(a) < 2 or len(b) < 2:
+        return math.nan
+    try:
+        from scipy import stats
+    except ImportError:
+        return None
+    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def group_runs(runs: list[dict], key: str) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(str(run.get(key, "")), []).append(run)
+    return groups
+
+
+def summary_table(groups: dict[str, list[dict]], key: str, baseline: str | None) -> str:
+    base = groups.get(baseline) if baseline is not None else None
+    header = [key, "n", "train time (s)", "val loss", f"t (below {TARGET_VAL_LOSS})", "df",
+              f"p(loss < {TARGET_VAL_LOSS})"]
+    if base is not None:
+        header += ["Δ time (s)", "p time (Welch)", "Δ loss", "p loss (Welch)"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, runs in groups.items():
+        times = [r["train_time_ms"] / 1000 for r in runs]
+        losses = [r["val_loss"] for r in runs]
+        t_margin, df, p = target_test(losses)
+        cells = [f"{name} (baseline)" if name == baseline else name, str(len(runs)), _fmt_pm(*_mean_std(times), 3), _fmt_pm(*_mean_std(losses), 5),
+                 "n/a" if math.isnan(t_margin) else f"{t_margin:.2f}", str(df), _fmt_p(p)]
+        if base is not None:
+            base_times = [r["train_time_ms"] / 1000 for r in base]
+            base_losses = [r["val_loss"] for r in base]
+            cells += [f"{statistics.fmean(times) - statistics.fmean(base_times):+.3f}",
+                      _fmt_p(welch_p(times, base_times)),
+                      f"{statistics.fmean(losses) - statistics.fmean(base_losses):+.5f}",
+                      _fmt_p(welch_p(losses, base_losses))]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def plot_runs(groups: dict[str, list[dict]], out_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {}  # group -> [[(step, val_loss)] per run] from logs that validated more than once
+    for name, runs in groups.items():
+        for r in runs:
+            log = Path(r.get("log_path") or "")
+            if log.is_file():
+                vals = parse_log(log.read_text(encoding="utf-8", errors="replace")).vals
+                if len(vals) > 1:
+                    curves.setdefault(name, []).append([(s, loss) for s, _, loss, _ in vals])
+    ncols = 3 if curves else 2
+    fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4.5))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(groups)}
+    for name, runs in groups.items():
+        idx = range(1, len(runs) + 1)
+        axes[0].plot(idx, [r["val_loss"] for r in runs], "o", color=colors[name], label=f"{name} (n={len(runs)})")
+        axes[1].plot(idx, [r["train_time_ms"] / 1000 for r in runs], "o", color=colors[name], label=name)
+    axes[0].axhline(TARGET_VAL_LOSS, color="k", linestyle="--", linewidth=1, label=f"target {TARGET_VAL_LOSS}")
+    axes[0].set(title="final val loss per run", xlabel="run # within group", ylabel="val loss")
+    axes[1].set(title="train time per run", xlabel="run # within group", ylabel="train time (s)")
+    if curves:
+        for name, runs_points in curves.items():
+            for i, points in enumerate(runs_points):
+                axes[2].plot(*zip(*points), marker=".", linewidth=1, color=colors[name],
+                             label=f"{name} ({len(runs_points)} runs)" if i == 0 else None)
+        axes[2].axhline(TARGET_VAL_LOSS, color="k", linestyle="--", linewidth=1)
+        axes[2].set(title="val loss curves (from logs)", xlabel="step", ylabel="val loss")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(out_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m records.report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=Path, default=DEFAULT_RUNS_PATH, help="runs.jsonl to read")
+    ap.add_argument("--group-by", default="config", help="runs.jsonl field to group by (config, label, git_commit, ...)")
+    ap.add_argument("--baseline", default=None, help="the group value to compare every group against (Welch t-tests)")
+    ap.add_argument("--plot", type=Path, default=None, help="write a PNG of val loss and train time per run")
+    args = ap.parse_args(argv)
+
+    if not args.runs.is_file():
+        print(f"error: runs file {args.runs} does not exist (runs append to it when they end)", file=sys.stderr)
+        return 2
+    runs, problems = read_runs(args.runs)
+    for lineno, why in problems:
+        print(f"warning: {args.runs}:{lineno}: skipped malformed line: {why}", file=sys.stderr)
+    finished = [r for r in runs if r.get("status") == "finished"
+                and isinstance(r.get("val_loss"), (int, float)) and isinstance(r.get("train_time_ms"), (int, float))]
+    if len(finished) < len(runs):
+        print(f"note: {len(runs) - len(finished)} run(s) not finished (failed, interrupted or without "
+              f"val loss) are left out", file=sys.stderr)
+    if not finished:
+        print(f"no finished runs in {args.runs}")
+        return 1
+    groups = group_runs(finished, args.group_by)
+    if args.baseline is not None and args.baseline not in groups:
+        print(f"error: --baseline {args.baseline!r} is not a value of {args.group_by!r}; groups: "
+              f"{', '.join(groups)}", file=sys.stderr)
+        return 2
+    try:
+        import scipy  # noqa: F401
+    except ImportError:
+        print("note: scipy is not installed (pip install scipy): p-values are left out", file=sys.stderr)
+    print(summary_table(groups, args.group_by, args.baseline))
+    if args.plot is not None:
+        try:
+            plot_runs(groups, args.plot)
+            print(f"plot written to {args.plot}")
+        except ImportError:
+            print("note: matplotlib is not installed (pip install matplotlib): no plot written", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

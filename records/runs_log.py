@@ -1,0 +1,93 @@
+"""The append-only records log `records/runs.jsonl`: one JSON object per run, one line each.
+
+Every run that started appends exactly one line when it ends: finished, failed or interrupted.
+Fields (DESIGN.md "Logs and records"): run_id, started (ISO time), config, label, world_size,
+device, git_commit, git_dirty, steps, train_time_ms, val_loss, peak_memory_allocated_mib,
+peak_memory_reserved_mib, status, error, log_path.
+
+Appends are atomic across processes: the whole line goes out in one write(2) on an O_APPEND
+descriptor while holding an exclusive flock, so concurrent writers (several runs on one node, or
+a crashed one) never tear or interleave a line, whatever its length.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import fcntl
+import json
+import os
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from records.run_log import REPO_ROOT
+
+DEFAULT_RUNS_PATH = REPO_ROOT / "records" / "runs.jsonl"
+STATUSES = ("finished", "failed", "interrupted")
+
+
+def new_run_id() -> str:
+    return str(uuid.uuid4())  # upstream: run ids are uuid4
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class RunRecord:
+    run_id: str
+    started: str
+    config: str
+    world_size: int
+    device: str
+    git_commit: str
+    git_dirty: bool | None
+    status: str
+    log_path: str
+    label: str = ""
+    steps: int | None = None
+    train_time_ms: float | None = None
+    val_loss: float | None = None
+    peak_memory_allocated_mib: float | None = None
+    peak_memory_reserved_mib: float | None = None
+    error: str | None = None
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"RunRecord.status must be one of {STATUSES}, got {self.status!r}")
+
+
+def append_run(record: RunRecord | dict, path: Path | str = DEFAULT_RUNS_PATH) -> None:
+    """Append one record as one line, atomically with respect to other appending processes."""
+    entry = asdict(record) if isinstance(record, RunRecord) else dict(record)
+    data = (json.dumps(entry, sort_keys=False) + "\n").encode("utf-8")  # json.dumps never emits \n
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a write(2) may be split above PIPE_BUF; the lock keeps it whole
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def read_runs(path: Path | str = DEFAULT_RUNS_PATH) -> tuple[list[dict], list[tuple[int, str]]]:
+    """(records, problems): every well-formed line, and (line number, why) for each skipped one."""
+    records, problems = [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as e:
+                problems.append((lineno, f"not valid JSON ({e.msg} at column {e.colno})"))
+                continue
+            if not isinstance(entry, dict):
+                problems.append((lineno, f"expected a JSON object, got {type(entry).__name__}"))
+                continue
+            records.append(entry)
+    return records, problems

@@ -1,0 +1,69 @@
+"""The run log: full source capture, git and environment header, upstream line formats."""
+import pytest
+
+from records.run_log import (REPO_ROOT, RunLog, format_peak_memory_line, format_step_line,
+                             format_val_line, parse_log)
+
+
+def test_log_holds_every_project_py_file_and_parses_back(tmp_path):
+    with RunLog("test-run", logs_dir=tmp_path, console=False) as log:
+        for step in (25, 50, 99, 100):
+            log.print0(format_step_line(step, 100, step * 17.5))
+        log.print0(format_val_line(100, 100, 3.27741, 1750.4))
+        log.print0(format_peak_memory_line(53424.2, 65224.0))
+    text = (tmp_path / "test-run.txt").read_text()
+
+    # Every .py file in the repository (found independently of the module's own walk) is present.
+    expected = sorted(p.relative_to(REPO_ROOT).as_posix() for p in REPO_ROOT.rglob("*.py")
+                      if not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(REPO_ROOT).parts))
+    parsed = parse_log(text)
+    assert sorted(parsed.sources) == expected
+    assert "records/run_log.py" in parsed.sources
+    assert (REPO_ROOT / "records" / "run_log.py").read_text() in text
+
+    assert "git commit: " in text and "Running PyTorch" in text and "Running Python" in text
+    assert "Running Triton version" in text
+    assert parsed.steps == [(25, 100, 438), (50, 100, 875), (99, 100, 1732), (100, 100, 1750)]
+    assert parsed.vals == [(100, 100, 3.2774, 1750)]
+    assert parsed.peak_memory_mib == (53424, 65224)
+
+
+def test_line_formats_match_upstream_text():
+    # Hand-written strings in the upstream formats (record #360 §5).
+    assert format_step_line(25, 1194, 437.6) == "step:25/1194 train_time:438ms step_avg:17.50ms"
+    assert format_val_line(1194, 1194, 3.27741, 39846.2) == \
+        "step:1194/1194 val_loss:3.2774 train_time:39846ms step_avg:33.37ms"
+    assert format_peak_memory_line(53424, 65224) == "peak memory allocated: 53424 MiB reserved: 65224 MiB"
+
+
+def test_exception_is_logged_and_flushed(tmp_path):
+    with pytest.raises(RuntimeError):
+        with RunLog("crash", logs_dir=tmp_path, console=False) as log:
+            log.print0("step:1/10 train_time:5ms step_avg:5.00ms")
+            raise RuntimeError("loss is nan at step 1")
+    text = (tmp_path / "crash.txt").read_text()
+    assert "RuntimeError: loss is nan at step 1" in text
+    assert parse_log(text).steps == [(1, 10, 5)]
+
+
+def test_buffered_until_flush(tmp_path):
+    log = RunLog("buffered", logs_dir=tmp_path, console=False)
+    size_before = (tmp_path / "buffered.txt").stat().st_size
+    log.print0("x" * 100)
+    log.flush()
+    assert (tmp_path / "buffered.txt").stat().st_size > size_before
+    log.close()
+
+
+def test_disabled_on_other_ranks(tmp_path):
+    log = RunLog("rank1", logs_dir=tmp_path, enabled=False)
+    log.print0("anything", console=True)
+    log.flush()
+    log.close()
+    assert not (tmp_path / "rank1.txt").exists()
+
+
+def test_refuses_to_overwrite(tmp_path):
+    RunLog("dup", logs_dir=tmp_path, console=False).close()
+    with pytest.raises(FileExistsError, match="dup.txt"):
+        RunLog("dup", logs_dir=tmp_path, console=False)
