@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DIR = REPO_ROOT.parent / "shared"
 TINY_SHAKESPEARE = SHARED_DIR / "data" / "tinyshakespeare.txt"
@@ -15,6 +21,12 @@ TINY_SHAKESPEARE = SHARED_DIR / "data" / "tinyshakespeare.txt"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if (SHARED_DIR / "tiktoken_cache").is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_DIR / "tiktoken_cache"))
+
+# Without a GPU, Triton kernels can only run in Triton's interpreter, and @triton.jit reads this
+# variable when a kernel is defined, so it is set before any test imports a kernel module. It only
+# makes kernels runnable: whether the model calls them is perf.backend's choice (portable on CPU).
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,112 @@
+"""Which execution path runs: the portable twin (plain PyTorch) or the fast path (Triton, FA3, compile).
+
+One algorithm, two paths (DESIGN.md). Every fast op has a portable twin with the same signature;
+the op's public function asks `current()` which one to call. The choice comes from the hardware and
+can be overridden with environment variables (read once, at first use):
+
+    SPEEDRUN_TRITON=0|1          Triton kernels (default: 1 on CUDA, 0 on CPU; 1 on CPU needs TRITON_INTERPRET=1)
+    SPEEDRUN_FP8=0|1             fp8 training MLP / lm_head (default: 1 where fp8 GEMMs run: SM89+, and CPU)
+    SPEEDRUN_ATTENTION=sdpa|flex|fa3   attention backend (default: fa3 on SM90, flex on other CUDA, sdpa on CPU)
+    SPEEDRUN_COMPILE=0|1         torch.compile the model (default: 1 on CUDA, 0 on CPU)
+
+A record run never falls back silently: `require_fast_path` lists everything the record needs that
+this backend lacks, and the record preset stops with that message.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+ATTENTION_BACKENDS = ("sdpa", "flex", "fa3")
+
+
+@dataclass(frozen=True)
+class Backend:
+    device: str  # "cpu" or "cuda"
+    sm: int  # compute capability as 10*major + minor (90 for H100); 0 on CPU
+    triton: bool
+    fp8: bool
+    attention: str
+    compile: bool
+
+    @property
+    def is_fast_path(self) -> bool:
+        return self.device == "cuda" and self.triton and self.fp8 and self.attention == "fa3" and self.compile
+
+
+def _env_flag(env, name: str, default: bool) -> bool:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"environment variable {name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def detect(env=os.environ, device: str | None = None) -> Backend:
+    """The backend for `device` (default: cuda when available) with the env overrides applied."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        sm = 10 * major + minor
+    else:
+        sm = 0
+    attention = env.get("SPEEDRUN_ATTENTION") or ("fa3" if sm == 90 else "flex" if device == "cuda" else "sdpa")
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"SPEEDRUN_ATTENTION must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+    triton = _env_flag(env, "SPEEDRUN_TRITON", device == "cuda")
+    if triton and device == "cpu" and env.get("TRITON_INTERPRET") != "1":
+        raise ValueError("SPEEDRUN_TRITON=1 on CPU runs Triton's interpreter: set TRITON_INTERPRET=1 too")
+    return Backend(
+        device=device,
+        sm=sm,
+        triton=triton,
+        fp8=_env_flag(env, "SPEEDRUN_FP8", device == "cpu" or sm >= 89),  # torch._scaled_mm: SM89+ or CPU
+        attention=attention,
+        compile=_env_flag(env, "SPEEDRUN_COMPILE", device == "cuda"),
+    )
+
+
+def require_fast_path(backend: Backend) -> None:
+    """Raise, naming every missing piece, unless `backend` is the record's fast path on SM90."""
+    missing = []
+    if backend.device != "cuda":
+        missing.append("a CUDA device (found only the CPU)")
+    elif backend.sm != 90:
+        missing.append(f"an SM90 GPU (H100/H200; found SM{backend.sm})")
+    if not backend.triton:
+        missing.append("Triton kernels (SPEEDRUN_TRITON=0 or Triton unavailable)")
+    if not backend.fp8:
+        missing.append("fp8 GEMMs (SPEEDRUN_FP8=0)")
+    if backend.attention != "fa3":
+        missing.append(f"FA3 attention (SPEEDRUN_ATTENTION={backend.attention})")
+    if not backend.compile:
+        missing.append("torch.compile (SPEEDRUN_COMPILE=0)")
+    if missing:
+        raise RuntimeError("the record preset needs the fast path, but this run lacks: " + "; ".join(missing)
+                           + ". Use --config dev (1-8 CUDA GPUs) or --config smoke (CPU) instead.")
+
+
+_current: Backend | None = None
+
+
+def current() -> Backend:
+    global _current
+    if _current is None:
+        _current = detect()
+    return _current
+
+
+@contextlib.contextmanager
+def use_backend(**overrides):
+    """Temporarily replace fields of the current backend (tests use this to switch paths)."""
+    global _current
+    saved = current()
+    _current = replace(saved, **overrides)
+    try:
+        yield _current
+    finally:
+        _current = saved

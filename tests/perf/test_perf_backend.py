@@ -1,0 +1,45 @@
+"""The backend switch: hardware defaults, env overrides, the record's refusal message."""
+import pytest
+import torch
+
+from perf import backend as be
+
+
+def test_cpu_defaults_are_the_portable_path():
+    b = be.detect(env={}, device="cpu")
+    assert (b.triton, b.fp8, b.attention, b.compile) == (False, True, "sdpa", False)
+    assert not b.is_fast_path
+
+
+def test_triton_on_cpu_is_opt_in_and_needs_the_interpreter():
+    assert not be.detect(env={"TRITON_INTERPRET": "1"}, device="cpu").triton
+    assert be.detect(env={"TRITON_INTERPRET": "1", "SPEEDRUN_TRITON": "1"}, device="cpu").triton
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        be.detect(env={"SPEEDRUN_TRITON": "1"}, device="cpu")
+
+
+def test_env_overrides_and_bad_values():
+    b = be.detect(env={"SPEEDRUN_FP8": "0", "SPEEDRUN_ATTENTION": "flex"}, device="cpu")
+    assert (b.fp8, b.attention) == (False, "flex")
+    with pytest.raises(ValueError, match="SPEEDRUN_FP8 must be 0 or 1"):
+        be.detect(env={"SPEEDRUN_FP8": "yes"}, device="cpu")
+    with pytest.raises(ValueError, match="SPEEDRUN_ATTENTION"):
+        be.detect(env={"SPEEDRUN_ATTENTION": "xformers"}, device="cpu")
+
+
+def test_record_refuses_anything_but_the_fast_path():
+    with pytest.raises(RuntimeError) as err:
+        be.require_fast_path(be.detect(env={}, device="cpu"))
+    msg = str(err.value)
+    assert "a CUDA device" in msg and "FA3 attention (SPEEDRUN_ATTENTION=sdpa)" in msg and "--config smoke" in msg
+    fast = be.Backend(device="cuda", sm=90, triton=True, fp8=True, attention="fa3", compile=True)
+    be.require_fast_path(fast)  # no error
+    with pytest.raises(RuntimeError, match=r"an SM90 GPU \(H100/H200; found SM80\)"):
+        be.require_fast_path(be.Backend(device="cuda", sm=80, triton=True, fp8=True, attention="fa3", compile=True))
+
+
+def test_use_backend_restores():
+    before = be.current()
+    with be.use_backend(triton=not before.triton) as b:
+        assert be.current() is b and b.triton != before.triton
+    assert be.current() == before
