@@ -12,12 +12,11 @@ Every bad file raises a `ShardError` subclass whose message names the file and w
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import torch
 
 SHARD_MAGIC = 20240520  # upstream shard format (record #89 §7.1)
 SHARD_VERSION = 1
@@ -99,6 +98,8 @@ def read_shard(path: str | os.PathLike, check_tokens: bool = True) -> np.ndarray
 def load_shard(path: str | os.PathLike, pin_memory: bool = False, check_tokens: bool = True) -> torch.Tensor:
     """Read a whole shard into memory: a uint16 tensor, in pinned (page-locked) memory if asked,
     so host-to-GPU copies from it can run asynchronously. Reads with READ_THREADS parallel preads."""
+    import torch  # here, not at the top: the download and tokenize scripts start without torch
+
     path = Path(path)
     num_tokens = _read_header(path)
     tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=pin_memory)
@@ -140,12 +141,12 @@ def write_shard(path: str | os.PathLike, tokens) -> None:
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = SHARD_MAGIC, SHARD_VERSION, array.size
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(header.tobytes())
             f.write(array.astype("<u2", copy=False).tobytes())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
