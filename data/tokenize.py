@@ -27,7 +27,7 @@ if __name__ == "__main__" and not __package__:
 import argparse  # noqa: E402  (after the sys.path fix above)
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
-import re  # noqa: E402
+from itertools import groupby  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -37,8 +37,6 @@ from data.shards import BOS_ID, write_shard  # noqa: E402
 
 SHARD_TOKENS = 100_000_000  # FineWeb shards hold 100M tokens (record #89 §7.1)
 DOCS_PER_TASK = 512  # documents per worker task: big enough to amortize pickling, small for progress
-# A blank-line run: a newline, then one or more whitespace-only lines (the next line's indent stays).
-BLANK_LINES = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")
 
 _encoding = None  # per worker process
 
@@ -56,6 +54,12 @@ def encode_documents(docs: list[str]) -> np.ndarray:
         tokens.append(BOS_ID)
         tokens.extend(_encoding.encode_ordinary(doc))
     return np.array(tokens, dtype=np.uint16)
+
+
+def paragraphs(text: str) -> list[str]:
+    """Runs of non-blank lines, each joined with newlines (blank = empty or whitespace only)."""
+    lines = text.splitlines()
+    return ["\n".join(run) for blank, run in groupby(lines, key=lambda line: not line.strip()) if not blank]
 
 
 def read_documents(path: Path, split: str) -> list[str]:
@@ -77,7 +81,7 @@ def read_documents(path: Path, split: str) -> list[str]:
                 raise SystemExit(f"{path}:{lineno}: expected an object with a string 'text' field")
             docs.append(record["text"])
     elif split == "blank":
-        docs = BLANK_LINES.split(text)
+        docs = paragraphs(text)
     else:
         docs = [text]
     return [doc for doc in docs if doc.strip()]
