@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 # Table size (record #360, modules §4.1): 84,602,880 rows, bigram half [0, h), trigram half [h, 2h).
-NGRAM_ROWS = 84_602_880
+NGRAM_ROWS = 84_602_880  # record #360
 NGRAM_HALF_ROWS = NGRAM_ROWS // 2  # 42,301,440
 NGRAM_SIGN_POOL_ROWS = 8192  # the shared +-1 sign pool (record #360, modules §4.3)
 
