@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from data.ngram import NGRAM_HALF_ROWS, NGRAM_SIGN_POOL_ROWS, ngram_row_ids, ngram_sign_rows
-from data.shards import BOS_ID, load_shard, read_shard
+from data.shards import BOS_ID, load_shard, read_shard, shard_num_tokens
 
 # Attention segments are cut every this many tokens inside a document (record #360 §6.2); only
 # reached when the doc cap (3072 from stage 2) exceeds it. Batches report min(doc cap, this) as
@@ -192,7 +192,7 @@ class TrainLoader:
         self._shard_reader = ThreadPoolExecutor(1, thread_name_prefix="shard-reader")
         self._assembler = ThreadPoolExecutor(1, thread_name_prefix="batch-prefetch") if prefetch else None
         self._ahead: tuple[tuple[int, int], _Cursor, Future] | None = None  # (geometry, from cursor, future)
-        self._shard(0)  # start reading the first shard (and, from there, the second) now
+        self._shard(0)  # read the first shard now; the second is read behind it
 
     # -- shards --
 
@@ -240,11 +240,14 @@ class TrainLoader:
         return batches, after
 
     def _end_of_data_message(self, cursor: _Cursor, tokens_per_rank: int) -> str:
-        names = ", ".join(p.name for p in self.files)
-        return (f"training data exhausted at step {cursor.steps}: {cursor.tokens:,} input tokens handed out "
-                f"({self.world_size} ranks) from all {len(self.files)} files [{names}] in {self.files[0].parent}; "
-                f"the next step needs {self.world_size * (tokens_per_rank + 1):,} more tokens. Download more "
-                f"shards (python data/cached_fineweb10B.py N) or tokenize more text, or train fewer steps.")
+        names = [p.name for p in self.files]
+        listed = ", ".join(names) if len(names) <= 4 else f"{names[0]}, ..., {names[-1]}"
+        held = sum(shard_num_tokens(p) for p in self.files)
+        return (f"training data exhausted at step {cursor.steps}: {cursor.tokens:,} input tokens handed out to "
+                f"{self.world_size} ranks, of the {held:,} tokens in all {len(names)} files ({listed}) in "
+                f"{self.files[0].parent} (the rest were cut document tails and shard ends); a step of "
+                f"{tokens_per_rank:,} tokens per rank does not fit in what is left. Download more shards "
+                f"(python data/cached_fineweb10B.py N), tokenize more text, or train fewer steps.")
 
     # -- public --
 
@@ -274,6 +277,12 @@ class TrainLoader:
         for pool in (self._assembler, self._shard_reader):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> TrainLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # ------------------------------------------------------------------------------------------------

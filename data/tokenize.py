@@ -90,6 +90,7 @@ def read_documents(path: Path, split: str) -> list[str]:
 def tokenize_documents(docs: list[str], workers: int) -> np.ndarray:
     """All documents, each preceded by BOS, as one uint16 array (in input order)."""
     tasks = [docs[i:i + DOCS_PER_TASK] for i in range(0, len(docs), DOCS_PER_TASK)]
+    workers = min(workers, len(tasks))  # a small input does not need a process per core
     bar = tqdm(total=sum(map(len, docs)), unit="char", unit_scale=True, desc="tokenizing")
     chunks = []
     if workers <= 1:

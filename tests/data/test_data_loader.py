@@ -159,16 +159,16 @@ def test_segments_start_at_bos_or_cap_boundary(train_files):
 
 
 def test_end_of_data_says_what_was_consumed(train_files):
-    loader = TrainLoader(train_files, 0, 2)
     steps = 0
-    with pytest.raises(EndOfData) as info:
+    with TrainLoader(train_files, 0, 2) as loader, pytest.raises(EndOfData) as info:
         while True:
             loader.next_batch(2048, 896)
             steps += 1
+    held = sum(p.stat().st_size - 1024 for p in train_files) // 2
     message = str(info.value)
     assert f"step {steps}" in message and f"{steps * 2 * 2048:,} input tokens" in message
+    assert f"of the {held:,} tokens in all 3 files" in message
     assert all(p.name in message for p in train_files) and "cached_fineweb10B" in message
-    loader.close()
 
 
 def test_bad_arguments_and_files(tmp_path, train_files):
