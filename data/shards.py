@@ -74,11 +74,13 @@ def shard_num_tokens(path: str | os.PathLike) -> int:
     return _read_header(Path(path))
 
 
-def _check_token_range(path: Path, tokens: np.ndarray) -> None:
+def check_token_ids(path: str | os.PathLike, tokens: np.ndarray, offset: int = 0) -> None:
+    """Raise ShardTokenError if a token of `tokens` (read from `path` at token `offset`) is outside
+    the vocabulary."""
     if tokens.size and int(tokens.max()) >= VOCAB_SIZE:
         bad = int(np.argmax(tokens >= VOCAB_SIZE))
-        raise ShardTokenError(
-            f"{path}: token id {int(tokens[bad])} at position {bad} is outside the GPT-2 vocabulary (< {VOCAB_SIZE})")
+        raise ShardTokenError(f"{path}: token id {int(tokens[bad])} at position {offset + bad} is outside the "
+                              f"GPT-2 vocabulary (< {VOCAB_SIZE})")
 
 
 def read_shard(path: str | os.PathLike, check_tokens: bool = True) -> np.ndarray:
@@ -92,7 +94,7 @@ def read_shard(path: str | os.PathLike, check_tokens: bool = True) -> np.ndarray
         return np.zeros(0, dtype=np.uint16)
     tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
     if check_tokens:
-        _check_token_range(path, tokens)
+        check_token_ids(path, tokens)
     return tokens
 
 
@@ -126,7 +128,7 @@ def load_shard(path: str | os.PathLike, pin_memory: bool = False, check_tokens: 
     if got != nbytes:
         raise ShardSizeError(f"{path}: read {got} bytes of tokens, the header says {nbytes}")
     if check_tokens:
-        _check_token_range(path, tokens.numpy())
+        check_token_ids(path, tokens.numpy())
     return tokens
 
 

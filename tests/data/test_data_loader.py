@@ -7,7 +7,7 @@ import torch
 
 from data.loader import CU_SEQLENS_ROWS, Batch, EndOfData, TrainLoader, cu_seqlens_rows, val_batches
 from data.ngram import ngram_row_ids, ngram_sign_rows
-from data.shards import BOS_ID, write_shard
+from data.shards import BOS_ID, ShardTokenError, write_shard
 
 # Geometries (tokens per rank, doc cap) a run might walk through, with repeats (the prefetch path)
 # and changes (the prefetched batch is thrown away).
@@ -247,6 +247,18 @@ def test_val_bos_at_position_zero_gives_an_empty_first_segment(tmp_path):
     write_shard(path, [BOS_ID, 1, 2, BOS_ID, 3, 4, 5, 6, 7])
     batch, = val_batches([path], 0, 1, 8, 8)
     assert batch.cu_seqlens.tolist()[:4] == [0, 0, 3, 8]
+
+
+def test_val_checks_the_token_ids_it_reads(tmp_path):
+    path = tmp_path / "v.bin"
+    write_shard(path, [BOS_ID, 1, 2, 3, 4, 5, 6, 7, 8])
+    data = bytearray(path.read_bytes())
+    data[1024 + 2 * 6:1024 + 2 * 7] = (60000).to_bytes(2, "little")  # token 6 becomes 60000
+    path.write_bytes(bytes(data))
+    batches = val_batches([path], 0, 1, 4, 8)
+    assert next(batches).inputs.tolist() == [BOS_ID, 1, 2, 3]
+    with pytest.raises(ShardTokenError, match="token id 60000 at position 6"):
+        next(batches)
 
 
 def test_val_runs_out_with_a_clear_error(val_file):
