@@ -15,9 +15,10 @@ compile and CUDA graphs). The n-gram row ids and sign rows are hashed here, on t
         ...
 
 One process can play several ranks of a larger world (gradient accumulation): TrainLoader(files,
-ranks=[0, 1, 2, 3], world_size=8).next_batches(...) returns ranks 0..3's batches of one step, the
-same tokens 8 processes would see. The next step's batch is assembled in a background thread while
-the caller trains, and the next shard is read (and its BOS index built) before it is needed.
+[0, 1, 2, 3], world_size=8).next_batches(...) returns ranks 0..3's batches of one step, the same
+tokens 8 processes would see (process p of 2 with 4 accumulation steps plays ranks 4p..4p+3).
+The next step's batch is assembled in a background thread while the caller trains (when the
+geometry stays the same), and the next shard is read and BOS-indexed before it is needed.
 """
 from __future__ import annotations
 
@@ -302,7 +303,8 @@ def val_batches(files: str | Sequence[str | Path], rank: int, world_size: int, t
     if not 0 <= rank < world_size or tokens_per_rank < 1:
         raise ValueError(f"rank {rank} of world_size {world_size}, tokens_per_rank {tokens_per_rank}: invalid")
     if total_tokens % step_tokens:
-        raise ValueError(f"val tokens {total_tokens} must be a multiple of world_size x tokens_per_rank = {step_tokens}")
+        raise ValueError(f"val tokens {total_tokens} must be a multiple of world_size x tokens_per_rank "
+                         f"= {step_tokens}")
     paths = _resolve_files(files, "validation data")
     file_index, pos = 0, 0
     # Memory-mapped, and only the slices read are checked: an evaluation reads 10.5M of the val
