@@ -245,7 +245,7 @@ class TrainLoader:
         listed = ", ".join(names) if len(names) <= 4 else f"{names[0]}, ..., {names[-1]}"
         held = sum(shard_num_tokens(p) for p in self.files)
         return (f"training data exhausted at step {cursor.steps}: {cursor.tokens:,} input tokens handed out to "
-                f"{self.world_size} ranks, of the {held:,} tokens in all {len(names)} files ({listed}) in "
+                f"{self.world_size} rank(s), of the {held:,} tokens in all {len(names)} files ({listed}) in "
                 f"{self.files[0].parent} (the rest were cut document tails and shard ends); a step of "
                 f"{tokens_per_rank:,} tokens per rank does not fit in what is left. Download more shards "
                 f"(python data/cached_fineweb10B.py N), tokenize more text, or train fewer steps.")
