@@ -1,0 +1,224 @@
+"""The command-line scripts, run as scripts (from another directory) and as modules, in subprocesses:
+data/tokenize.py on real text, and data/cached_fineweb10B.py against a stand-in hub on loopback."""
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data.shards import BOS_ID, SHARD_MAGIC, read_shard, write_shard
+from data.tokenize import main as tokenize_main, paragraphs
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOKENIZE = REPO_ROOT / "data" / "tokenize.py"
+DOWNLOAD = REPO_ROOT / "data" / "cached_fineweb10B.py"
+
+
+def run(args, cwd, env=None, expect_ok=True):
+    result = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=120)
+    if expect_ok:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def gpt2():
+    import tiktoken
+    return tiktoken.get_encoding("gpt2")
+
+
+def shard_tokens(directory: Path, name: str) -> tuple[list[int], list[int]]:
+    val = read_shard(directory / f"{name}_val_000000.bin").tolist()
+    train = [t for p in sorted(directory.glob(f"{name}_train_*.bin")) for t in read_shard(p).tolist()]
+    return val, train
+
+
+# ---- tokenize ---------------------------------------------------------------------------------
+
+
+def test_tokenize_help_as_script_and_module(tmp_path):
+    as_script = run([TOKENIZE, "--help"], cwd=tmp_path).stdout
+    as_module = run(["-m", "data.tokenize", "--help"], cwd=REPO_ROOT).stdout
+    for text in (as_script, as_module):
+        assert "--val-tokens" in text and "--shard-tokens" in text and "blank-line runs" in text
+        assert "one document per file" in text
+
+
+def test_tokenize_shakespeare_as_script_gives_tiktokens_tokens(tmp_path, tiny_shakespeare_path):
+    text = tiny_shakespeare_path.read_text(encoding="utf-8")
+    # Independent split: a regex on blank-line runs (the script groups lines).
+    docs = [d.rstrip("\n") for d in re.split(r"\n(?:[ \t]*\n)+", text) if d.strip()]
+    encoding = gpt2()
+    expected = [t for doc in docs for t in [BOS_ID, *encoding.encode_ordinary(doc)]]
+    assert len(expected) == sum(len(encoding.encode_ordinary(d)) for d in docs) + len(docs)
+
+    out = tmp_path / "out"
+    result = run([TOKENIZE, tiny_shakespeare_path, "--out", out, "--val-tokens", "30000",
+                  "--shard-tokens", "120000", "--workers", "2"], cwd=tmp_path)
+    assert f"{len(docs):,} documents, {len(expected):,} tokens" in result.stdout
+    val, train = shard_tokens(out, "tinyshakespeare")
+    assert len(val) == 30000 and val + train == expected
+    shards = sorted(p.name for p in out.iterdir())
+    assert shards == ["tinyshakespeare_train_000001.bin", "tinyshakespeare_train_000002.bin",
+                      "tinyshakespeare_train_000003.bin", "tinyshakespeare_val_000000.bin"]
+
+
+def test_tokenize_as_module_with_jsonl_and_markdown(tmp_path):
+    records = [{"text": "Hello world."}, {"text": "Second\n\ndocument, one record."}, {"text": "   "}]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n\n", encoding="utf-8")
+    (tmp_path / "b.md").write_text("# Title\n\nA paragraph\n  indented line\n \t\n\n\nLast one\n", encoding="utf-8")
+    out = tmp_path / "out"
+    run(["-m", "data.tokenize", tmp_path / "a.jsonl", tmp_path / "b.md", "--out", out, "--name", "mix",
+         "--val-tokens", "3", "--workers", "2"], cwd=REPO_ROOT)
+    docs = ["Hello world.", "Second\n\ndocument, one record.", "# Title", "A paragraph\n  indented line", "Last one"]
+    encoding = gpt2()
+    val, train = shard_tokens(out, "mix")
+    assert val + train == [t for doc in docs for t in [BOS_ID, *encoding.encode_ordinary(doc)]]
+
+
+def test_paragraphs_and_split_per_file(tmp_path):
+    assert paragraphs("\n a\nb \n\n \t \n\nc\n") == [" a\nb ", "c"]
+    (tmp_path / "t.txt").write_text("one\n\ntwo\n", encoding="utf-8")
+    tokenize_main([str(tmp_path / "t.txt"), "--out", str(tmp_path / "o"), "--split", "file", "--val-tokens", "1",
+                   "--workers", "1"])
+    val, train = shard_tokens(tmp_path / "o", "t")
+    assert val + train == [BOS_ID, *gpt2().encode_ordinary("one\n\ntwo\n")]
+
+
+def test_tokenize_bad_inputs(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n', encoding="utf-8")
+    result = run([TOKENIZE, tmp_path / "bad.jsonl", "--out", tmp_path / "o"], cwd=tmp_path, expect_ok=False)
+    assert result.returncode != 0 and "bad.jsonl:2" in result.stderr and "'text'" in result.stderr
+    (tmp_path / "small.txt").write_text("a few words\n", encoding="utf-8")
+    result = run([TOKENIZE, tmp_path / "small.txt", "--out", tmp_path / "o", "--val-tokens", "99", "--workers", "1"],
+                 cwd=tmp_path, expect_ok=False)
+    assert result.returncode != 0 and "--val-tokens 99" in result.stderr
+
+
+# ---- download, against a stand-in hub ---------------------------------------------------------
+
+REPO_PATH = "/datasets/kjj0/fineweb10B-gpt2/resolve/main/"
+
+
+class StandInHub(ThreadingHTTPServer):
+    """Serves `root` the way the hub's /resolve endpoint does for huggingface_hub: HEAD and GET with
+    ETag, Content-Length and X-Repo-Commit; 404 with X-Error-Code for a missing file."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.requests: list[tuple[str, str]] = []
+        super().__init__(("127.0.0.1", 0), _HubHandler)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _HubHandler(BaseHTTPRequestHandler):
+    def do_HEAD(self):
+        self._serve(with_body=False)
+
+    def do_GET(self):
+        self._serve(with_body=True)
+
+    def _serve(self, with_body: bool):
+        self.server.requests.append((self.command, self.path))
+        name = self.path[len(REPO_PATH):] if self.path.startswith(REPO_PATH) else None
+        file = self.server.root / name if name else None
+        if file is None or not file.is_file():
+            self.send_response(404)
+            self.send_header("X-Error-Code", "EntryNotFound")
+            self.send_header("X-Repo-Commit", "0" * 40)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = file.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+        self.send_header("X-Repo-Commit", "1" * 40)
+        self.end_headers()
+        if with_body:
+            self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hub(tmp_path):
+    server = StandInHub(tmp_path / "hub")
+    server.root.mkdir()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def hub_env(hub, tmp_path, offline=False):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_TELEMETRY="1")
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def test_download_skip_and_reject(tmp_path, hub):
+    rng = np.random.default_rng(0)
+    names = ["fineweb_val_000000.bin", "fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+    for name in names:
+        write_shard(hub.root / name, np.r_[BOS_ID, rng.integers(0, BOS_ID, 999)])
+    out, env = tmp_path / "fineweb10B", hub_env(hub, tmp_path)
+
+    # 1. A fresh download, as a script run from another directory.
+    run([DOWNLOAD, "2", "--dir", out], cwd=tmp_path, env=env)
+    for name in names:
+        assert (out / name).read_bytes() == (hub.root / name).read_bytes()
+    assert sorted(path for method, path in hub.requests if method == "GET") == sorted(REPO_PATH + n for n in names)
+
+    # 2. A second run skips the complete files without asking the hub anything.
+    hub.requests.clear()
+    result = run(["-m", "data.cached_fineweb10B", "2", "--dir", out], cwd=REPO_ROOT, env=env)
+    assert result.stdout.count("skipped") == 3 and hub.requests == []
+
+    # 3. A truncated local file is fetched again; nothing else is.
+    data = (out / names[1]).read_bytes()
+    (out / names[1]).write_bytes(data[:-10])
+    result = run([DOWNLOAD, "2", "--dir", out], cwd=tmp_path, env=env)
+    assert "truncated" in result.stdout and (out / names[1]).read_bytes() == data
+    assert [path for method, path in hub.requests if method == "GET"] == [REPO_PATH + names[1]]
+
+    # 4. A file missing on the hub: says what failed and how to retry.
+    result = run([DOWNLOAD, "3", "--dir", out], cwd=tmp_path, env=env, expect_ok=False)
+    assert result.returncode != 0
+    assert "failed to download fineweb_train_000003.bin" in result.stderr and "rerun" in result.stderr
+    assert all((out / n).exists() for n in names)
+
+    # 5. A corrupt file (wrong magic) is rejected with a clear message and deleted.
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = SHARD_MAGIC + 1, 1, 4
+    (hub.root / "fineweb_train_000003.bin").write_bytes(header.tobytes() + bytes(8))
+    result = run([DOWNLOAD, "3", "--dir", out], cwd=tmp_path, env=env, expect_ok=False)
+    assert result.returncode != 0
+    assert "fineweb_train_000003.bin is corrupt" in result.stderr and "magic" in result.stderr
+    assert "rerun" in result.stderr and not (out / "fineweb_train_000003.bin").exists()
+
+    # 6. Offline: complete files still pass; a missing one says HF_HUB_OFFLINE blocks it.
+    hub.requests.clear()
+    run([DOWNLOAD, "2", "--dir", out], cwd=tmp_path, env=hub_env(hub, tmp_path, offline=True))
+    result = run([DOWNLOAD, "3", "--dir", out], cwd=tmp_path, env=hub_env(hub, tmp_path, offline=True),
+                 expect_ok=False)
+    assert result.returncode != 0 and "HF_HUB_OFFLINE" in result.stderr and hub.requests == []
+
+
+def test_download_help_as_script(tmp_path):
+    result = run([DOWNLOAD, "--help"], cwd=tmp_path)
+    assert "kjj0/fineweb10B-gpt2" in result.stdout and "N" in result.stdout
