@@ -1,10 +1,12 @@
-"""Sharded optimizer on 2 and 4 gloo ranks leaves the same parameters as one process.
+"""Sharded optimizer and tail averages on 2 and 4 gloo ranks leave the same parameters as one
+process.
 
 Every rank sees identical gradients, so the averaged gradient equals the single-process one
 exactly; each rank updates whole matrices (banks) or whole rows (Adam shards) with the same
-arithmetic per matrix/row, so the result is expected bitwise. The step list crosses the rail
-engage step (514), the embed split (1175) and both Adam parities; the small stand-in's banks
-(6, 3 and 8 matrices) are padded on 4 and 2 ranks."""
+arithmetic per matrix/row, so the result is expected bitwise. The run is the whole smoke schedule
+(70 steps: every stage, the table cadence switch, the rail engage step, the embed split, the tail
+windows and the ship); the small stand-in's banks (6, 3 and 8 matrices) are padded on 4 and 2
+ranks."""
 import socket
 import subprocess
 import sys
@@ -17,27 +19,30 @@ import torch
 from optim.standin import StandInParams
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = [512, 513, 514, 515, 1174, 1175, 1176, 1177]
 
 WORKER = textwrap.dedent('''
     import datetime, sys
     import torch, torch.distributed as dist
-    from config import ScheduleConfig
+    from config import SCHEDULE_PRESETS
     from optim.manager import OptimizerManager
     from optim.schedule import TrainingSchedule
     from optim.standin import StandInParams
+    from optim.tail_average import TailAverages
 
-    rank, world, port, out, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     model = StandInParams.small(seed=0)
-    mgr = OptimizerManager(model.named_parameters(), TrainingSchedule(ScheduleConfig()),
-                           frozen_matrices={"mlp_bank": {2, 3}})
-    for step in map(int, steps.split(",")):
+    sched = TrainingSchedule(SCHEDULE_PRESETS["smoke"])
+    mgr = OptimizerManager(model.named_parameters(), sched, frozen_matrices={"mlp_bank": {2, 3}})
+    tails = TailAverages(mgr, sched)
+    for step in range(sched.total_steps):
         model.random_grads(seed=step)        # identical on every rank
         mgr.step(step)
+        tails.tick(step)
+    tails.ship()
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}.{rank}")
     if world > 1:
         dist.destroy_process_group()
@@ -55,8 +60,7 @@ def run_ranks(tmp_path, world: int) -> list[dict]:
     script.write_text(WORKER)
     out = tmp_path / f"params_w{world}"
     port = str(free_port())
-    steps = ",".join(map(str, STEPS))
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), port, str(out), steps],
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), port, str(out)],
                               cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
                                              "OMP_NUM_THREADS": "1"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
