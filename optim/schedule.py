@@ -29,6 +29,25 @@ class StageSpan:
     stage: StageConfig
 
 
+@dataclass(frozen=True)
+class StepSettings:
+    """Everything the schedule sets at the top of one training step (modules §7.8 advance_schedule)."""
+    step: int
+    stage: int
+    lr_mult: float
+    rail_beta: float
+    batch_tokens: int
+    doc_cap: int
+    max_seq_len: int
+    ws_short: int
+    ws_long: int
+    mtp_weights: tuple[float, ...]
+    prefix_weight: float
+    softmax_p: int
+    adam_step: bool
+    table_event: bool
+
+
 class TrainingSchedule:
     """Per-step values of one ScheduleConfig."""
 
@@ -178,6 +197,17 @@ class TrainingSchedule:
     def table_events_before(self, step: int) -> int:
         """How many table events happened at steps < `step`."""
         return sum(self.is_table_event(s) for s in range(step))
+
+
+    def settings(self, step: int) -> StepSettings:
+        """All per-step values at once, for the training loop."""
+        ws_short, ws_long = self.windows(step)
+        return StepSettings(step=step, stage=self.span(step).index, lr_mult=self.lr_mult(step),
+                            rail_beta=self.rail_beta(step), batch_tokens=self.batch_tokens(step),
+                            doc_cap=self.doc_cap(step), max_seq_len=self.max_seq_len(step),
+                            ws_short=ws_short, ws_long=ws_long, mtp_weights=self.mtp_weights(step),
+                            prefix_weight=self.prefix_weight(step), softmax_p=self.softmax_p(step),
+                            adam_step=self.is_adam_step(step), table_event=self.is_table_event(step))
 
 
 def format_stage_table(sched: TrainingSchedule, world_size: int = 8) -> str:
