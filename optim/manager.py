@@ -25,8 +25,8 @@ communication order of record #360 (record_360.md §3, §7; modules §10).
   work. Gloo (CPU) and NCCL both support the reduce-scatter, all-gather and AVG used here (checked
   on torch 2.13 gloo); no PREMUL_SUM, no fp8 tensors.
 
-The n-gram table is not a parameter: its owner calls `optim.adam.row_sparse_adam_event` with
-`ngram_event_hparams(step)` on table events.
+The n-gram table is not a parameter: `NgramRowOptimizer` (below) runs its row-sparse Adam on the
+rank's contiguous row shard, from the (row ids, sink gradient) pairs of each step.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ from torch import Tensor
 
 from config import OptimConfig
 from optim.adam import (EMBED, LM_HEAD, RECORD_PARAM_TABLE, VALUE_EMBEDS, AdamState, ParamRule,
-                        adam_update, build_param_table, embed_moments_from_lm_head,
-                        value_embed_hparams)
+                        RowAdamState, adam_update, build_param_table, embed_moments_from_lm_head,
+                        merge_rows, row_sparse_adam_event, value_embed_hparams)
 from optim.anvil import BankState, BankStepScalars, anvil_update, rail_settings, shape_lr_multiplier
 from optim.normuon import muon_momentum, normuon_update
 from optim.schedule import TrainingSchedule
@@ -341,3 +341,77 @@ class OptimizerManager:
             return
         local = entry.shard.local(entry.view)
         self._finish_gather(entry, *self._all_gather(entry, local))
+
+
+# --- the n-gram table -----------------------------------------------------------------------------
+
+def gather_owned_rows(row_ids: Tensor, grads: Tensor, lo: int, hi: int, world_size: int) -> tuple[Tensor, Tensor]:
+    """Every rank's (row id, gradient row) pairs for the rows [lo, hi) this rank owns, merged:
+    (local row indices, fp32 gradient sums over ranks).
+
+    Portable version of record #360's count / id / row all_to_alls: all ranks all-gather their
+    merged rows (padded to the largest count) and each owner keeps its own. Same sums; the
+    record sums in fp16/bf16 on the way, this path in fp32."""
+    ids, summed = merge_rows(row_ids, grads)
+    if world_size > 1:
+        count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
+        counts = torch.empty(world_size, dtype=torch.int64, device=ids.device)
+        dist.all_gather_into_tensor(counts, count)
+        width = int(counts.max())
+        padded_ids = torch.full((width,), -1, dtype=ids.dtype, device=ids.device)
+        padded_ids[:ids.numel()] = ids
+        padded_grads = summed.new_zeros((width, summed.size(1)))
+        padded_grads[:ids.numel()] = summed
+        all_ids = torch.empty(world_size * width, dtype=ids.dtype, device=ids.device)
+        all_grads = summed.new_empty((world_size * width, summed.size(1)))
+        dist.all_gather_into_tensor(all_ids, padded_ids)
+        dist.all_gather_into_tensor(all_grads, padded_grads)
+        ids, summed = all_ids, all_grads
+    mine = (ids >= lo) & (ids < hi)
+    ids, summed = merge_rows(ids[mine], summed[mine])
+    return ids - lo, summed
+
+
+class NgramRowOptimizer:
+    """Row-sparse Adam of the n-gram table on this rank's contiguous row shard (record #360,
+    modules §4.4-4.5): each step's (row ids [2T], sink gradient [2T, D]) are held until the next
+    table event, then summed per row over the cycle and the ranks and applied by
+    optim.adam.row_sparse_adam_event. The last cycle of a run has no event (record #360 too)."""
+
+    def __init__(self, shard: Tensor, rows_per_rank: int, manager: OptimizerManager):
+        if shard.size(0) != rows_per_rank:
+            raise ValueError(f"n-gram shard has {shard.size(0)} rows, expected rows_per_rank={rows_per_rank}")
+        self.shard, self.manager = shard, manager
+        self.lo = manager.rank * rows_per_rank
+        self.hi = self.lo + rows_per_rank
+        self.state = RowAdamState.zeros(rows_per_rank, device=shard.device)
+        self._ids: list[Tensor] = []
+        self._grads: list[Tensor] = []
+
+    def accumulate(self, row_ids: Tensor, sink_grad: Tensor) -> None:
+        """Hold one step's gradient rows (merged per row to keep the cycle's buffer small)."""
+        if row_ids.dim() != 1 or sink_grad.shape != (row_ids.numel(), self.shard.size(1)):
+            raise ValueError(f"n-gram gradient: expected row ids [N] and sink gradient [N, "
+                             f"{self.shard.size(1)}], got {tuple(row_ids.shape)} and {tuple(sink_grad.shape)}")
+        ids, summed = merge_rows(row_ids.long(), sink_grad)
+        self._ids.append(ids)
+        self._grads.append(summed)
+
+    @torch.no_grad()
+    def step(self, step: int) -> bool:
+        """Apply the held gradients if `step` is a table event; returns whether it was."""
+        if not self.manager.schedule.is_table_event(step):
+            return False
+        d = self.shard.size(1)
+        ids = torch.cat(self._ids) if self._ids else torch.empty(0, dtype=torch.int64, device=self.shard.device)
+        grads = torch.cat(self._grads) if self._grads else self.shard.new_zeros((0, d), dtype=torch.float32)
+        local, summed = gather_owned_rows(ids, grads, self.lo, self.hi, self.manager.world_size)
+        row_sparse_adam_event(self.shard, self.state, local, summed, **self.manager.ngram_event_hparams(step))
+        self._ids.clear()
+        self._grads.clear()
+        return True
+
+    def reset(self) -> None:
+        self.state.zero_()
+        self._ids.clear()
+        self._grads.clear()

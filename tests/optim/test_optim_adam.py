@@ -10,7 +10,7 @@ from torch import nn
 from config import OptimConfig, ScheduleConfig
 from optim.adam import (RECORD_PARAM_TABLE, AdamState, RowAdamState, adam_update, build_param_table,
                         merge_rows, row_sparse_adam_event, value_embed_hparams)
-from optim.manager import OptimizerManager
+from optim.manager import NgramRowOptimizer, OptimizerManager
 from optim.schedule import TrainingSchedule
 from optim.standin import StandInParams
 
@@ -246,3 +246,28 @@ def test_ngram_event_hparams():
     assert early["lr"] == pytest.approx(0.008 * RECORD.lr_mult(335) * 70)
     assert (early["beta2"], early["weight_decay"]) == pytest.approx((0.95, 0.025))
     assert (late["beta2"], late["weight_decay"]) == pytest.approx((0.9025, 0.05))
+
+
+def test_ngram_optimizer_holds_the_cycle_and_steps_on_events():
+    mgr = _manager(StandInParams.small())
+    shard = (torch.randn(10, 4) * 0.1).bfloat16()
+    opt = NgramRowOptimizer(shard, 10, mgr)
+    ref = shard.clone()
+    ref_state = RowAdamState.zeros(10)
+    held_ids, held_grads = [], []
+    for step in range(336, 344):                      # events at 339 and 343 only
+        ids = torch.tensor([step % 10, (step + 3) % 10, step % 10], dtype=torch.int32)
+        grads = torch.randn(3, 4).bfloat16()
+        opt.accumulate(ids, grads)
+        held_ids.append(ids.long()); held_grads.append(grads)
+        stepped = opt.step(step)
+        assert stepped == (step % 4 == 3)
+        if stepped:
+            local, summed = merge_rows(torch.cat(held_ids), torch.cat(held_grads))
+            row_sparse_adam_event(ref, ref_state, local, summed, **mgr.ngram_event_hparams(step))
+            held_ids, held_grads = [], []
+        assert torch.equal(opt.shard, ref)
+    assert opt.state.events == 2
+    assert mgr.ngram_event_hparams(339)["beta2"] == pytest.approx(0.9025)
+    with pytest.raises(ValueError, match="sink gradient"):
+        opt.accumulate(torch.zeros(3, dtype=torch.int32), torch.zeros(3, 5))

@@ -214,3 +214,13 @@ def test_polar_express_orthogonalizes():
     y = polar_express(torch.randn(2, 64, 128).bfloat16())
     s = torch.linalg.svdvals(y.float())
     assert s.min() > 0.6 and s.max() < 1.25   # Polar Express's looser band (no ANVIL envelope)
+
+
+def test_cascade_flops_hand_count():
+    from optim.anvil import cascade_flops
+    # qk chunk (6, 256, 768), per map: Gram 2*768*256^2, A^2 2*256^3, X update 2*256^2*768
+    per_map = 2 * 768 * 256 ** 2 + 2 * 256 ** 3 + 2 * 256 ** 2 * 768
+    assert cascade_flops((6, 256, 768)) == 6 * 6 * per_map == 8_455_716_864
+    # mlp chunk (3, 2816, 768) is tall: the small side is 768
+    per_map = 2 * 2816 * 768 ** 2 + 2 * 768 ** 3 + 2 * 768 ** 2 * 2816
+    assert cascade_flops((3, 2816, 768)) == 3 * 6 * per_map

@@ -6,7 +6,8 @@ exactly; each rank updates whole matrices (banks) or whole rows (Adam shards) wi
 arithmetic per matrix/row, so the result is expected bitwise. The run is the whole smoke schedule
 (70 steps: every stage, the table cadence switch, the rail engage step, the embed split, the tail
 windows and the ship); the small stand-in's banks (6, 3 and 8 matrices) are padded on 4 and 2
-ranks."""
+ranks. An n-gram table of 64 rows is sharded 64/W rows per rank, with bf16 sink gradients
+(whose fp32 sums are exact in any order)."""
 import socket
 import subprocess
 import sys
@@ -24,7 +25,7 @@ WORKER = textwrap.dedent('''
     import datetime, sys
     import torch, torch.distributed as dist
     from config import SCHEDULE_PRESETS
-    from optim.manager import OptimizerManager
+    from optim.manager import NgramRowOptimizer, OptimizerManager
     from optim.schedule import TrainingSchedule
     from optim.standin import StandInParams
     from optim.tail_average import TailAverages
@@ -38,12 +39,21 @@ WORKER = textwrap.dedent('''
     sched = TrainingSchedule(SCHEDULE_PRESETS["smoke"])
     mgr = OptimizerManager(model.named_parameters(), sched, frozen_matrices={"mlp_bank": {2, 3}})
     tails = TailAverages(mgr, sched)
+    table = (torch.randn(64, 32, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16()
+    rows = 64 // world
+    ngram = NgramRowOptimizer(table[rank * rows:(rank + 1) * rows].clone(), rows, mgr)
     for step in range(sched.total_steps):
         model.random_grads(seed=step)        # identical on every rank
+        g = torch.Generator().manual_seed(1000 + step)
+        ngram.accumulate(torch.randint(0, 64, (24,), generator=g, dtype=torch.int32),
+                         torch.randn(24, 32, generator=g).bfloat16())
         mgr.step(step)
+        ngram.step(step)
         tails.tick(step)
     tails.ship()
-    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}.{rank}")
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    saved["ngram_shard"] = ngram.shard
+    torch.save(saved, f"{out}.{rank}")
     if world > 1:
         dist.destroy_process_group()
 ''')
@@ -84,8 +94,14 @@ def test_sharded_ranks_match_one_process(tmp_path):
         results = run_ranks(tmp_path, world)
         for rank, params in enumerate(results):
             for name, ref in reference.items():
-                assert torch.equal(params[name], ref), f"{name} differs on rank {rank} of {world}"
+                if name != "ngram_shard":
+                    assert torch.equal(params[name], ref), f"{name} differs on rank {rank} of {world}"
+        # the n-gram table: each rank owns a contiguous row range
+        table = torch.cat([params["ngram_shard"] for params in results])
+        assert torch.equal(table, reference["ngram_shard"]), f"n-gram table differs on {world} ranks"
     # and the run really moved every trained parameter
     start = dict(StandInParams.small(seed=0).named_parameters())
-    moved = [n for n in reference if not torch.equal(reference[n], start[n])]
-    assert set(moved) == set(reference), set(reference) - set(moved)
+    moved = [n for n in start if not torch.equal(reference[n], start[n])]
+    assert set(moved) == set(start), set(start) - set(moved)
+    init_table = (torch.randn(64, 32, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16()
+    assert not torch.equal(reference["ngram_shard"], init_table)
