@@ -51,8 +51,6 @@ from optim.schedule import TrainingSchedule
 SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", VALUE_EMBEDS, LM_HEAD, EMBED)
 WORK_ORDER = ("qk_bank", "vo_bank", LM_HEAD, EMBED, VALUE_EMBEDS, "mlp_bank")
 MLP_BANK = "mlp_bank"
-# record #360: mlp slot 7 (layer 7 has no MLP) is frozen; as bank matrices: 2*7 and 2*7+1.
-RECORD_FROZEN_MLP_MATRICES = frozenset({14, 15})
 
 
 @dataclass
@@ -110,6 +108,9 @@ class OptimizerManager:
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], schedule: TrainingSchedule,
                  cfg: OptimConfig = OptimConfig(), table: dict[str, ParamRule] = RECORD_PARAM_TABLE,
                  frozen_matrices: dict[str, Iterable[int]] | None = None):
+        """frozen_matrices: bank name -> matrix indices (of the [matrices, rows, cols] view) that get
+        lr 0 and so never move. Without it, a bank's own `frozen_matrices` attribute is used (the
+        record model marks mlp slot 7, layer 7 having no MLP: matrices 14 and 15)."""
         if cfg.bank_optimizer not in ("anvil", "normuon"):
             raise ValueError(f"OptimConfig.bank_optimizer={cfg.bank_optimizer!r}: expected "
                              "'anvil' or 'normuon'")
@@ -117,11 +118,13 @@ class OptimizerManager:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.rank = dist.get_rank() if self.distributed else 0
-        if frozen_matrices is None:
-            frozen_matrices = {}
         self.entries: dict[str, Entry] = {}
         for name, (param, rule) in build_param_table(named_parameters, table).items():
-            self.entries[name] = self._make_entry(name, param, rule, frozenset(frozen_matrices.get(name, ())))
+            if frozen_matrices is not None:
+                frozen = frozenset(frozen_matrices.get(name, ()))
+            else:
+                frozen = frozenset(getattr(param, "frozen_matrices", ()))
+            self.entries[name] = self._make_entry(name, param, rule, frozen)
         self.tied = EMBED in self.entries and LM_HEAD in self.entries
         if self.tied:
             lm, em = self.entries[LM_HEAD].param, self.entries[EMBED].param

@@ -172,6 +172,10 @@ def test_frozen_and_cproj_multipliers():
     model.random_grads(0)
     mgr.step(0)
     assert torch.equal(model.mlp_bank[1], frozen)
+    # the model can mark them on the bank itself (record: mlp_bank.frozen_matrices = {14, 15})
+    model.mlp_bank.frozen_matrices = frozenset({0})
+    lr = OptimizerManager(model.named_parameters(), RECORD).entries["mlp_bank"].matrix_lr.flatten()
+    assert lr[0] == 0 and lr[2] > 0
 
 
 def test_normuon_can_be_chosen():
