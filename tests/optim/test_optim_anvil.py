@@ -132,24 +132,47 @@ def test_anvil_rails_switch_at_engage():
     assert rail_settings(514, 0.93, engaged=True) == (0.85, 0.4385)
 
 
-def test_anvil_decay_is_gated_on_slow_rail_not_update():
-    # One matrix, zero gradient history except one step: the slow rail has the gradient's sign.
-    shape = (1, 4, 4)
-    p = torch.full(shape, 0.5).bfloat16()
-    g = torch.ones(shape).bfloat16()
-    g[0, 0, 0] = -1.0   # slow rail negative where p positive: no decay there
-    state = BankState.zeros(shape)
-    s = BankStepScalars(momentum=0.0, eff_wd=0.5, eff_lr=torch.zeros(1, 1, 1))  # lr 0: no move
-    anvil_update(p, g, state, s)
-    assert torch.equal(p, torch.full(shape, 0.5).bfloat16())  # eff_lr 0 freezes (slot 7)
-    s = BankStepScalars(momentum=0.0, eff_wd=0.5, eff_lr=torch.ones(1, 1, 1) * 0.1)
-    state = BankState.zeros(shape)
-    p_before = p.float().clone()
-    anvil_update(p, g, state, s)
-    x = master_weight(p, state.mantissa) - p_before
-    # decay contributes -0.5*0.5*0.1 = -0.025 where aligned; compare the (0,0) entry to a neighbour
-    # with the same update magnitude: undo the update through the symmetry of the all-ones gradient
-    assert x[0, 0, 0] > x[0, 0, 1] - 0.02  # (0,0) has no decay (less negative)
+def _decay_part(update_fn, rails, grads, eff_wd):
+    """Run update_fn over `grads` twice from the same start, with and without decay: the last
+    step's difference is exactly its decay term. Returns (decay, master before the last step,
+    state, the undecayed last step = -update * lr)."""
+    shape = grads[0].shape
+    results = []
+    for wd in (eff_wd, 0.0):
+        p = (torch.rand(shape, generator=torch.Generator().manual_seed(5)) - 0.5).bfloat16()
+        state = BankState.zeros(shape, rails=rails)
+        for i, g in enumerate(grads):
+            if i == len(grads) - 1:
+                before = master_weight(p, state.mantissa).clone()
+                wd_now = wd
+            else:
+                wd_now = 0.0
+            update_fn(p, g, state, BankStepScalars(momentum=0.9, eff_wd=wd_now, eff_lr=torch.full((shape[0], 1, 1), 0.1),
+                                                   fast_beta=0.9, fast_weight=0.5, margin=1.05 if rails == 2 else 1.02))
+        results.append((master_weight(p, state.mantissa).clone(), state))
+    (with_wd, state), (without_wd, _) = results
+    return without_wd - with_wd, before, state, without_wd - before
+
+
+def test_anvil_decay_is_gated_on_the_slow_rail():
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(2, 8, 12, generator=g).bfloat16() for _ in range(3)]
+    decay, before, state, step = _decay_part(anvil_update, 2, grads, eff_wd=0.3)
+    slow = state.velocity[1]
+    expected = torch.where(slow * before >= 0, before * 0.3 * 0.1, torch.zeros(()))
+    torch.testing.assert_close(decay, expected, rtol=1e-4, atol=1e-7)
+    # the slow rail's sign and the update's sign disagree somewhere, so the gate was decisive
+    update_gate = (-step) * before >= 0
+    assert (update_gate != (slow * before >= 0)).sum() > 5
+
+
+def test_normuon_decay_is_gated_on_the_update():
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(2, 8, 12, generator=g).bfloat16() for _ in range(3)]
+    decay, before, _, step = _decay_part(normuon_update, 1, grads, eff_wd=0.3)
+    update = -step / 0.1     # the undecayed step is -update * lr
+    expected = torch.where(update * before >= 0, before * 0.3 * 0.1, torch.zeros(()))
+    torch.testing.assert_close(decay, expected, rtol=1e-4, atol=1e-7)
 
 
 def test_master_weight_sidecar_round_trip():
