@@ -26,6 +26,9 @@ ANVIL_MAPS = (
     (2.256537145403, -2.166840097229, 0.929501253245),
 )
 LANE_ENERGY_FLOOR = 1e-10  # record #360: the equalizer's rsqrt floor (and its norm-ratio floor)
+# record #360: matrices with more rows than this (mlp, 2816) do aX + XB as a matmul then an add
+# (two bf16 roundings); smaller ones as one fused baddbmm (one rounding). Kept for the rounding.
+SPLIT_BADDBMM_MIN_ROWS = 1024
 
 
 def is_tall(x: Tensor) -> bool:
@@ -43,11 +46,16 @@ def quintic_maps(x: Tensor, maps, first_gram: Tensor | None = None) -> Tensor:
     each (a, b, c) in `maps`, in the dtype of x (bf16 as on the GPU). `first_gram` is reused for
     the first map (ANVIL has it from the normalization)."""
     tall = is_tall(x)
+    split = x.size(-2) > SPLIT_BADDBMM_MIN_ROWS
+    fused = torch.baddbmm if x.dim() == 3 else torch.addmm
     for k, (a, b, c) in enumerate(maps):
         a_mat = first_gram if (k == 0 and first_gram is not None) else gram(x)
-        b_mat = torch.baddbmm(a_mat, a_mat, a_mat, beta=b, alpha=c) if a_mat.dim() == 3 \
-            else torch.addmm(a_mat, a_mat, a_mat, beta=b, alpha=c)   # bA + cA^2
-        x = (x @ b_mat if tall else b_mat @ x).add_(x, alpha=a)
+        b_mat = fused(a_mat, a_mat, a_mat, beta=b, alpha=c)          # bA + cA^2
+        left, right = (x, b_mat) if tall else (b_mat, x)
+        if split:
+            x = (left @ right).add_(x, alpha=a)
+        else:
+            x = fused(x, left, right, beta=a)                         # aX + XB (or BX)
     return x
 
 

@@ -15,7 +15,10 @@ communication order of record #360 (record_360.md §3, §7; modules §10).
   (rows padded the same way), updated per shard and all-gathered; replicated ones are
   all-reduced and updated everywhere. They step on odd steps over the sum of two steps'
   gradients (the gradients are simply not cleared on even steps); value_embeds steps on the
-  table's update events over the cycle's summed gradient.
+  table's update events over the cycle's gradient, summed in fp16 as record #360 does. Record
+  #360 exchanges only the value-embed rows the cycle touched; here the whole summed gradient is
+  reduce-scattered: the same averaged shard gradient, so the same update (every row of the shard
+  gets momentum and decay at each event in both).
 * embed is tied to lm_head until the split step: embed's gradient is transposed into lm_head's
   before the reduce, and embed <- lm_head^T after the gather. At the split step lm_head's moments
   are gathered, transposed and resharded into embed's.
@@ -99,6 +102,10 @@ class Entry:
     shard: RowSharding | None          # None for replicated
     state: object                      # BankState or AdamState
     matrix_lr: Tensor | None = None    # banks: [chunk, 1, 1] lr_mul * shape mult * per-matrix mul
+    held: Tensor | None = None         # table cadence: the cycle's gradient sum (fp16, record #360)
+
+    def gradient(self) -> Tensor | None:
+        return self.held if self.held is not None else self.param.grad
 
 
 class OptimizerManager:
@@ -157,16 +164,21 @@ class OptimizerManager:
             return Entry(name, param, rule, view, shard, state, matrix_lr)
         if rule.optim != "adam":
             raise ValueError(f"parameter {name!r}: unknown optim {rule.optim!r}")
+        # Table-cadence gradients (value_embeds) are summed over the cycle in an fp16 buffer, as
+        # record #360's value-embed backward does, instead of in the bf16 .grad.
+        held = torch.zeros(param.shape, dtype=torch.float16, device=param.device) if rule.cadence == "table" else None
         if rule.comms == "sharded":
             shard = RowSharding(param.size(0), self.world_size, self.rank)
             state = AdamState.zeros_like(shard.local(param.data))
-            return Entry(name, param, rule, param.data, shard, state)
-        return Entry(name, param, rule, param.data, None, AdamState.zeros_like(param.data))
+            return Entry(name, param, rule, param.data, shard, state, held=held)
+        return Entry(name, param, rule, param.data, None, AdamState.zeros_like(param.data), held=held)
 
     def reset(self) -> None:
         """Zero every optimizer state and re-tie embed (after the untimed warmup)."""
         for e in self.entries.values():
             e.state.zero_()
+            if e.held is not None:
+                e.held.zero_()
         self.split = False
 
     # --- per-step hyperparameters --------------------------------------------------------------
@@ -183,6 +195,7 @@ class OptimizerManager:
                                    fast_weight=fast_weight, slow_beta=cfg.rail_slow_beta,
                                    beta2=cfg.anvil_beta2, margin=cfg.frobenius_margin,
                                    eps=cfg.frobenius_eps)
+        # record #89's NorMuon, with its momentum schedule (0.85 -> 0.95 -> 0.85) over this run
         lr = cfg.normuon_lr * lr_mult
         return BankStepScalars(momentum=muon_momentum(step, self.schedule.total_steps),
                                eff_wd=entry.rule.wd_mul * cfg.normuon_weight_decay * lr,
@@ -223,7 +236,12 @@ class OptimizerManager:
     @torch.no_grad()
     def step(self, step: int) -> None:
         """Reduce, update and gather every parameter due at `step`; clear the gradients used."""
-        due = {name for name, e in self.entries.items() if self.updates_at(e, step) and e.param.grad is not None}
+        for e in self.entries.values():
+            if e.held is not None and e.param.grad is not None:
+                e.held.add_(e.param.grad)
+                e.param.grad = None
+        due = {name for name, e in self.entries.items()
+               if self.updates_at(e, step) and (e.held is not None or e.param.grad is not None)}
         adam_step = self.schedule.is_adam_step(step)
         if self.tied and not self.split and adam_step and LM_HEAD in due:
             embed = self.entries[EMBED].param
@@ -232,7 +250,7 @@ class OptimizerManager:
 
         # Phase 0: the replicated Adam params' all-reduces.
         replicated = [n for n, e in self.entries.items() if n in due and e.shard is None]
-        pending = {n: self._all_reduce(self.entries[n].param.grad) for n in replicated}
+        pending = {n: self._all_reduce(self.entries[n].gradient()) for n in replicated}
         # Phase 1: reduce-scatters, in scatter order.
         for name in self._ordered(SCATTER_ORDER):
             if name in due and name not in pending:
@@ -262,6 +280,8 @@ class OptimizerManager:
         # Clear the gradients that were consumed (Adam grads keep accumulating until their step).
         for name in due:
             self.entries[name].param.grad = None
+            if self.entries[name].held is not None:
+                self.entries[name].held.zero_()
         if self.tied and not self.split and adam_step:
             self.entries[EMBED].param.grad = None
         if self.tied and step == self.schedule.split_step:
@@ -284,7 +304,7 @@ class OptimizerManager:
         return dist.all_reduce(grad, op=dist.ReduceOp.AVG, async_op=True), grad
 
     def _reduce_scatter(self, entry: Entry):
-        grad = entry.param.grad.view(entry.view.shape)
+        grad = entry.gradient().view(entry.view.shape)
         if self.world_size == 1:
             return None, grad
         full = entry.shard.pad(grad).contiguous()
