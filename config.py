@@ -94,7 +94,7 @@ class OptimConfig:
     bank_optimizer: str = "anvil"           # "anvil" (record #360) or "normuon" (record #89)
     anvil_lr: float = 0.023                 # record #360
     anvil_weight_decay: float = 2.25        # record #360 (NorMuon: 1.2)
-    anvil_beta2: float = 0.9                # record #360: lane equalizer EMA
+    lane_beta2: float = 0.9                 # record #360 (and #89): lane equalizer EMA
     rail_fast_beta: float = 0.85            # record #360: fast rail beta from the engage step
     rail_slow_beta: float = 0.98            # record #360
     rail_fast_weight: float = 0.4385        # record #360: fast rail's blend weight once engaged

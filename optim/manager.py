@@ -193,13 +193,13 @@ class OptimizerManager:
             return BankStepScalars(momentum=rail_beta, eff_wd=entry.rule.wd_mul * cfg.anvil_weight_decay * lr,
                                    eff_lr=entry.matrix_lr * lr, fast_beta=fast_beta,
                                    fast_weight=fast_weight, slow_beta=cfg.rail_slow_beta,
-                                   beta2=cfg.anvil_beta2, margin=cfg.frobenius_margin,
+                                   beta2=cfg.lane_beta2, margin=cfg.frobenius_margin,
                                    eps=cfg.frobenius_eps)
         # record #89's NorMuon, with its momentum schedule (0.85 -> 0.95 -> 0.85) over this run
         lr = cfg.normuon_lr * lr_mult
         return BankStepScalars(momentum=muon_momentum(step, self.schedule.total_steps),
                                eff_wd=entry.rule.wd_mul * cfg.normuon_weight_decay * lr,
-                               eff_lr=entry.matrix_lr * lr, beta2=cfg.anvil_beta2,
+                               eff_lr=entry.matrix_lr * lr, beta2=cfg.lane_beta2,
                                margin=cfg.normuon_frobenius_margin, eps=cfg.frobenius_eps)
 
     def adam_hparams(self, entry: Entry, step: int) -> tuple[tuple[float, float], float, float]:
