@@ -194,10 +194,6 @@ class TrainingSchedule:
         """n-gram table and value-embed update events: odd steps, then steps = 3 mod 4."""
         return step % 4 == 3 if self.table_period4(step) else step % 2 == 1
 
-    def table_events_before(self, step: int) -> int:
-        """How many table events happened at steps < `step`."""
-        return sum(self.is_table_event(s) for s in range(step))
-
 
     def settings(self, step: int) -> StepSettings:
         """All per-step values at once, for the training loop."""
