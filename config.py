@@ -16,3 +16,118 @@ from dataclasses import dataclass
 # ================================================================================================
 # Schedule and optimizer (used by optim/).
 # ================================================================================================
+# The stage table and the step-indexed switches live in ScheduleConfig; the optimizer's constants in
+# OptimConfig. optim/schedule.py turns a ScheduleConfig into per-step values
+# (`python -m optim.schedule --config record` prints the table).
+
+TOKENS_PER_BATCH_UNIT = 2048 * 8  # record #360: a stage's batch is units x 2048 tokens x 8 ranks
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One training stage. Batch sizes are global tokens (split evenly over ranks)."""
+    batch_tokens: int
+    doc_cap: int                        # documents longer than this are cut (tokens)
+    ws_short: int                       # short sliding window, in window blocks
+    ws_long: int                        # long sliding window, in window blocks
+    lr_mul: float
+    mtp_start: tuple[float, ...]        # MTP weights at the stage start, one per predicted offset
+    mtp_end: tuple[float, ...]          # ... and at its end (linear in between)
+    prefix_weights: tuple[float, ...]   # split the stage into len() equal parts
+    softmax_p: tuple[int, ...] = ()     # sampled-softmax candidates, equal parts; () = full softmax
+
+
+# record #360 (modules §7.3). lr_mul 1.52 ~ (16/8)^0.6 and 1.73 ~ (24/8)^0.5; the taper keeps 1.73
+# scaled by sqrt(20/24) for its smaller batch; the extension's lr_mul is unused (lr is at the floor).
+RECORD_STAGES = (
+    StageConfig(8 * TOKENS_PER_BATCH_UNIT, 896, 1, 3, 1.0, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0),
+                (0.25,), (10240,)),
+    StageConfig(16 * TOKENS_PER_BATCH_UNIT, 2048, 3, 7, 1.52, (1.0, 0.5), (1.0, 0.0),
+                (0.20, 0.15, 0.10, 0.05), (10240,)),
+    StageConfig(24 * TOKENS_PER_BATCH_UNIT, 3072, 5, 11, 1.73, (1.0,), (1.0,),
+                (0.0,), (14336, 14336, 24576)),
+    StageConfig(20 * TOKENS_PER_BATCH_UNIT, 3072, 5, 11, 1.73 * (20 / 24) ** 0.5, (1.0,), (1.0,),
+                (0.0,)),
+    StageConfig(8 * TOKENS_PER_BATCH_UNIT, 3072, 6, 13, 1.0, (1.0,), (1.0,), (0.0,)),
+)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The five-stage schedule and every step-indexed switch (record #360, modules §7)."""
+    stages: tuple[StageConfig, ...] = RECORD_STAGES
+    base_steps: int = 1122                  # record #360: NUM_SCHEDULED_ITERATIONS default
+    # Durations of stages 0..2 as fractions of base_steps (normalized by their sum, 0.9994); the
+    # taper (stage 3) is taken out of the last one; the extension (stage 4) has a fixed step count.
+    stage_durations: tuple[float, float, float] = (0.2854, 0.3209, 0.3931)  # record #360
+    taper_duration: float = 0.06            # record #360
+    growth_steps: int = 52                  # record #360: added to stage 2 (keeps later parities)
+    growth_stage: int = 2                   # record #360
+    extension_steps: int = 20               # record #360
+    lr_cooldown_frac: float = 0.80          # record #360: linear cooldown over the last 80%
+    lr_floor: float = 0.30                  # record #360 code value (its README says 0.20)
+    rail_warmup_steps: int = 240            # record #360 get_rail_beta: 0.85 -> 0.93 over 240 steps
+    rail_cooldown_steps: int = 50           # ... back to 0.85 over the last 50
+    rail_beta_min: float = 0.85             # record #360
+    rail_beta_max: float = 0.93             # record #360
+    rail_engage_step: int = 514             # record #360: twin-rail blend engages
+    table_period4_step: int = 336           # record #360: n-gram/VE events every 4th step from here
+    split_embed_stage: int = 4              # record #360: embed unties at (start of stage 4) | 1
+    block_size: int = 128                   # record #360: tokens per window block
+    virtual_seq_cap: int = 2560             # record #360: attention segments cut every 2560 tokens
+    ws_post_yarn_ext: int = 20              # record #360: final validation long window (blocks)
+    # Tail averages (record #360, modules §8): windows in steps, rates per tick, ship blends.
+    tail_ema_window: int = 298
+    tail_ema_blend: float = 0.65
+    tail_avg_window: int = 250
+    tail_avg_period: int = 4
+    tail_avg_rate: float = 4.0 / 53.0       # record #360's tuned rate (not derived from the window)
+    bank_blend_window: int = 298
+    bank_blend_period: int = 4
+    bank_blend: float = 0.55
+    richardson_w: float = 0.2007            # record #360: vo/mlp ship at 0.55 - 0.2007
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer constants (record #360 §3, modules §10.1). NorMuon's are record #89's."""
+    bank_optimizer: str = "anvil"           # "anvil" (record #360) or "normuon" (record #89)
+    anvil_lr: float = 0.023                 # record #360
+    anvil_weight_decay: float = 2.25        # record #360 (NorMuon: 1.2)
+    lane_beta2: float = 0.9                 # record #360 (and #89): lane equalizer EMA
+    rail_fast_beta: float = 0.85            # record #360: fast rail beta from the engage step
+    rail_slow_beta: float = 0.98            # record #360
+    rail_fast_weight: float = 0.4385        # record #360: fast rail's blend weight once engaged
+    frobenius_margin: float = 1.05          # record #360 (NorMuon: 1.02)
+    frobenius_eps: float = 1e-6             # record #360
+    normuon_lr: float = 0.023               # record #89
+    normuon_weight_decay: float = 1.2       # record #89
+    normuon_frobenius_margin: float = 1.02  # record #89
+    adam_lr: float = 0.008                  # record #360
+    adam_eps: float = 1e-10                 # record #360
+    adam_weight_decay: float = 0.005        # record #360
+    ngram_lr_mul: float = 70.0              # record #360 (record #89's bigram: 75)
+    ngram_beta2: float = 0.95               # record #360; squared once events are every 4th step
+    ngram_wd_mul: float = 5.0               # record #360; 10 once events are every 4th step
+
+
+def _smoke_schedule() -> ScheduleConfig:
+    """70 steps on CPU that cross every stage boundary, the cadence switch, the rail engage step,
+    the split and the tail windows. Batches are tiny; the stage structure is the record's."""
+    small = (1024, 2048, 3072, 2560, 1024)  # global tokens, the record's 8/16/24/20/8 ratios
+    # sampled-softmax P is cut 8x (still multiples of 256) for a smoke vocabulary
+    stages = tuple(StageConfig(b, s.doc_cap, s.ws_short, s.ws_long, s.lr_mul, s.mtp_start,
+                               s.mtp_end, s.prefix_weights, tuple(p // 8 for p in s.softmax_p))
+                   for b, s in zip(small, RECORD_STAGES))
+    return ScheduleConfig(stages=stages, base_steps=60, growth_steps=4, extension_steps=6,
+                          rail_warmup_steps=12, rail_cooldown_steps=3, rail_engage_step=30,
+                          table_period4_step=20, tail_ema_window=18, tail_avg_window=15,
+                          bank_blend_window=18)
+
+
+SCHEDULE_PRESETS = {
+    "record": ScheduleConfig(),
+    "dev": ScheduleConfig(),   # 1 GPU, same schedule (grad accumulation keeps the global batch)
+    "smoke": _smoke_schedule(),
+}
+OPTIM_PRESETS = {"record": OptimConfig(), "dev": OptimConfig(), "smoke": OptimConfig()}

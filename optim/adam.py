@@ -1,0 +1,200 @@
+"""The per-parameter optimizer table and the Adam side of record #360: dense Adam with cautious
+decay (every non-bank parameter), the value-embedding schedule change at step 336, the
+lm_head -> embed moment transfer at the split, and the row-sparse Adam of the n-gram table.
+
+Reference: record_360.md §3.3, record_360_modules.md §4.4-4.5 and §10.2-10.6. The table is keyed by
+the model's `named_parameters()` names; `build_param_table` fails, naming the parameter, when a
+parameter has no entry (or an entry has no parameter), so a new parameter cannot silently go
+untrained.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """How one parameter is optimized.
+
+    optim:   "bank" (ANVIL or NorMuon, per OptimConfig) or "adam"
+    comms:   "sharded" (reduce-scatter, update 1/W, all-gather) or "replicated" (all-reduce)
+    cadence: "every" (banks), "adam" (odd steps, two steps of summed gradient) or "table" (the
+             n-gram table's update events, gradient summed over the cycle: value_embeds)
+    """
+    optim: str
+    comms: str
+    cadence: str
+    betas: tuple[float, float] | None = None
+    lr_mul: float = 1.0
+    wd_mul: float = 1.0
+
+
+def _adam(betas, lr_mul=1.0, wd_mul=1.0, comms="replicated", cadence="adam") -> ParamRule:
+    return ParamRule("adam", comms, cadence, betas, lr_mul, wd_mul)
+
+
+_BANK = ParamRule("bank", "sharded", "every")
+
+# record #360 (modules §10.2): betas; lr_mul; wd_mul. The bank shape multiplier and per-matrix
+# multipliers are applied by optim/manager.py.
+RECORD_PARAM_TABLE: dict[str, ParamRule] = {
+    "qk_bank": _BANK,
+    "vo_bank": _BANK,
+    "mlp_bank": _BANK,
+    "scalars": _adam((0.9, 0.99), lr_mul=5.0, wd_mul=0.0),
+    "smear_gate.weight": _adam((0.9, 0.99), lr_mul=0.01, wd_mul=0.0),
+    "ve_gate_bank": _adam((0.9, 0.99)),
+    "lm_head.weight": _adam((0.5, 0.95), wd_mul=150.0, comms="sharded"),  # carries embed's grad while tied
+    "post_lambdas": _adam((0.9, 0.95), wd_mul=0.0),
+    "resid_lambdas": _adam((0.9, 0.95), lr_mul=5.0, wd_mul=0.0),
+    # (0.75, 0.95) and wd_mul 5 until table_period4_step, then squared betas and 10: see
+    # value_embed_hparams. record #89 used lr_mul 75.
+    "value_embeds": _adam((0.75, 0.95), lr_mul=70.0, wd_mul=5.0, comms="sharded", cadence="table"),
+    "embed.weight": _adam((0.5, 0.95), wd_mul=150.0, comms="sharded"),      # skipped while tied
+    "mudd_w1": _adam((0.9, 0.99), lr_mul=0.25),
+    "mudd_w2": _adam((0.9, 0.99), lr_mul=0.25),
+    "mudd_w2g": _adam((0.9, 0.99), lr_mul=0.25),
+    "mudd_b2": _adam((0.9, 0.99), lr_mul=0.25, wd_mul=0.0),
+    "mudd_gate_w1": _adam((0.9, 0.99), lr_mul=0.1),
+    "mudd_gate_w2": _adam((0.9, 0.99), lr_mul=0.1),
+    "mudd_gate_b2": _adam((0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
+    "mudd_gate_scale": _adam((0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
+}
+VALUE_EMBEDS = "value_embeds"
+LM_HEAD = "lm_head.weight"
+EMBED = "embed.weight"
+
+
+def build_param_table(named_parameters: Iterable[tuple[str, Tensor]],
+                      table: dict[str, ParamRule] = RECORD_PARAM_TABLE) -> dict[str, tuple[Tensor, ParamRule]]:
+    """name -> (parameter, rule) for every parameter, in the model's order.
+
+    Raises ValueError naming the parameter when one has no entry, and naming the entry when the
+    table lists a parameter the model does not have."""
+    out: dict[str, tuple[Tensor, ParamRule]] = {}
+    for name, param in named_parameters:
+        if name in out:
+            raise ValueError(f"parameter {name!r} appears twice in named_parameters()")
+        if name not in table:
+            raise ValueError(f"parameter {name!r} (shape {tuple(param.shape)}) has no optimizer "
+                             f"entry: add it to the parameter table in optim/adam.py")
+        out[name] = (param, table[name])
+    missing = [n for n in table if n not in out]
+    if missing:
+        raise ValueError(f"optimizer table entries {missing} match no model parameter")
+    return out
+
+
+def value_embed_hparams(rule: ParamRule, period4: bool) -> tuple[tuple[float, float], float]:
+    """(betas, wd_mul) of value_embeds: from the 4-step table cadence on, one event stands for
+    two, so both betas are squared and the decay doubled (record #360: (0.5625, 0.9025), 10)."""
+    if not period4:
+        return rule.betas, rule.wd_mul
+    b1, b2 = rule.betas
+    return (b1 * b1, b2 * b2), rule.wd_mul * 2
+
+
+@dataclass
+class AdamState:
+    exp_avg: Tensor      # fp32, shaped like the parameter (or this rank's shard)
+    exp_avg_sq: Tensor
+    step: int = 0        # counts this parameter's own Adam updates (bias correction)
+
+    @classmethod
+    def zeros_like(cls, t: Tensor) -> "AdamState":
+        z = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+        return cls(z, torch.zeros_like(z))
+
+    def zero_(self) -> None:
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        self.step = 0
+
+
+def adam_update(p: Tensor, grad: Tensor, state: AdamState, betas: tuple[float, float], lr: float,
+                eps: float, weight_decay: float) -> None:
+    """One Adam step with bias correction and cautious decay, in place on p (any dtype).
+
+    lr is the effective lr (base * schedule * lr_mul); the decay coefficient is lr^2 * weight_decay
+    (weight_decay = base decay * wd_mul), applied where update * p > 0 (strict, unlike the banks)."""
+    beta1, beta2 = betas
+    state.step += 1
+    t = state.step
+    g = grad.float()
+    state.exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
+    state.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step_size = lr * (1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t)
+    update = state.exp_avg / (state.exp_avg_sq.sqrt() + eps) * step_size
+    pf = p.float()
+    update = update + pf * ((update * pf) > 0) * (lr * lr * weight_decay)
+    p.copy_(pf - update)
+
+
+def embed_moments_from_lm_head(lm_head_moment: Tensor, rows: slice) -> Tensor:
+    """At the split: embed's moment shard = rows of the full lm_head moment transposed.
+    lm_head is stored [D, V] and embed [V, D], so embed's vocab rows are lm_head's columns."""
+    return lm_head_moment.mT[rows].clone()
+
+
+# --- the n-gram table's row-sparse Adam -------------------------------------------------------
+
+@dataclass
+class RowAdamState:
+    """Per-row state of one rank's n-gram shard: beta1 = 0, so one second moment per row."""
+    exp_avg_sq: Tensor               # fp32 [rows]: EMA of the row's mean squared gradient
+    last_event: Tensor               # int32 [rows]: the event that last touched the row (0 = never)
+    beta2_history: list[float]       # beta2 of every event, index 1..E (index 0 unused)
+
+    @classmethod
+    def zeros(cls, rows: int, device=None) -> "RowAdamState":
+        return cls(torch.zeros(rows, dtype=torch.float32, device=device),
+                   torch.zeros(rows, dtype=torch.int32, device=device), [1.0])
+
+    @property
+    def events(self) -> int:
+        return len(self.beta2_history) - 1
+
+    def zero_(self) -> None:
+        self.exp_avg_sq.zero_()
+        self.last_event.zero_()
+        del self.beta2_history[1:]
+
+
+def merge_rows(row_ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+    """Sum the gradient rows that share a row id: (sorted unique ids, fp32 sums)."""
+    ids, inverse = torch.unique(row_ids, sorted=True, return_inverse=True)
+    summed = torch.zeros((ids.numel(), grads.size(-1)), dtype=torch.float32, device=grads.device)
+    summed.index_add_(0, inverse, grads.float())
+    return ids, summed
+
+
+def row_sparse_adam_event(shard: Tensor, state: RowAdamState, local_rows: Tensor, grad_sum: Tensor,
+                          lr: float, beta2: float, weight_decay: float, world_size: int,
+                          eps: float = 1e-10) -> None:
+    """One table event on this rank's shard (record #360, modules §4.5).
+
+    local_rows: the distinct touched rows (indices into shard), grad_sum: their gradients summed
+    over ranks and the cycle's steps. lr is the effective lr (0.008 * schedule * 70); the decay
+    coefficient is lr^2 * weight_decay (0.005 * wd_mul). Untouched rows do not move; the beta2
+    decays they miss are replayed the next time they are touched, which equals decaying every
+    row at every event, bit for bit."""
+    state.beta2_history.append(beta2)
+    event = state.events
+    v = state.exp_avg_sq[local_rows]
+    last = state.last_event[local_rows]
+    # Replay the missed events one at a time, in order, so the rounding is the eager one.
+    first_missed = int(last.min()) + 1 if last.numel() else event
+    for e in range(first_missed, event):
+        v = torch.where(last < e, v * state.beta2_history[e], v)
+    m = grad_sum.float() / world_size
+    v = beta2 * v + (1 - beta2) * m.square().mean(dim=-1)
+    update = m / (v.sqrt() + eps)[:, None] * (lr * (1 - beta2 ** event) ** 0.5)
+    p = shard[local_rows].float()
+    update = update + p * ((update * p) > 0) * (lr * lr * weight_decay)
+    shard[local_rows] = (p - update).to(shard.dtype)
+    state.exp_avg_sq[local_rows] = v
+    state.last_event[local_rows] = event

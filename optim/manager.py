@@ -1,0 +1,440 @@
+"""The optimizer of a run: every model parameter's update, sharded over ranks, with the
+communication order of record #360 (record_360.md §3, §7; modules §10).
+
+    manager = OptimizerManager(model.named_parameters(), TrainingSchedule(sched_cfg), OptimConfig())
+    for step in range(schedule.total_steps):
+        loss.backward()            # gradients of the summed loss
+        manager.step(step)         # reduce, update, gather, clear the gradients it consumed
+
+* Banks (qk, vo, mlp): each step, the gradient viewed as [matrices, rows, cols] is
+  reduce-scattered (average over ranks) so each rank updates 1/W of the matrices with ANVIL (or
+  NorMuon), then all-gathered. A matrix count that does not divide by W is padded with zero
+  matrices inside the optimizer (their lr is 0); upstream instead requires divisibility, and the
+  record's banks (48, 16, 24 matrices) divide by 1, 2, 4 and 8.
+* Adam parameters: sharded ones (lm_head, embed, value_embeds) are reduce-scattered along dim 0
+  (rows padded the same way), updated per shard and all-gathered; replicated ones are
+  all-reduced and updated everywhere. They step on odd steps over the sum of two steps'
+  gradients (the gradients are simply not cleared on even steps); value_embeds steps on the
+  table's update events over the cycle's gradient, summed in fp16 as record #360 does. Record
+  #360 exchanges only the value-embed rows the cycle touched; here the whole summed gradient is
+  reduce-scattered: the same averaged shard gradient, so the same update (every row of the shard
+  gets momentum and decay at each event in both).
+* embed is tied to lm_head until the split step: embed's gradient is transposed into lm_head's
+  before the reduce, and embed <- lm_head^T after the gather. At the split step lm_head's moments
+  are gathered, transposed and resharded into embed's.
+* Order: replicated all-reduces first (phase 0), then reduce-scatters in SCATTER_ORDER (phase 1),
+  then waits + updates + all-gathers in WORK_ORDER (phase 2), then the lm_head gather and the tied
+  copy (phase 3). Collectives are asynchronous (async_op=True) so later launches overlap earlier
+  work. Gloo (CPU) and NCCL both support the reduce-scatter, all-gather and AVG used here (checked
+  on torch 2.13 gloo); no PREMUL_SUM, no fp8 tensors.
+
+The n-gram table is not a parameter: `NgramRowOptimizer` (below) runs its row-sparse Adam on the
+rank's contiguous row shard, from the (row ids, sink gradient) pairs of each step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from config import OptimConfig
+from optim.adam import (EMBED, LM_HEAD, RECORD_PARAM_TABLE, VALUE_EMBEDS, AdamState, ParamRule,
+                        RowAdamState, adam_update, build_param_table, embed_moments_from_lm_head,
+                        merge_rows, row_sparse_adam_event, value_embed_hparams)
+from optim.anvil import BankState, BankStepScalars, anvil_update, rail_settings, shape_lr_multiplier
+from optim.normuon import muon_momentum, normuon_update
+from optim.schedule import TrainingSchedule
+
+# record #360 (§7): launch the big bank reduce-scatters first; update the small parameters while
+# they are in flight; the mlp bank (largest gather) last. Replicated params go in phase 0.
+SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", VALUE_EMBEDS, LM_HEAD, EMBED)
+WORK_ORDER = ("qk_bank", "vo_bank", LM_HEAD, EMBED, VALUE_EMBEDS, "mlp_bank")
+MLP_BANK = "mlp_bank"
+
+
+@dataclass
+class RowSharding:
+    """Rows [lo, hi) of a leading dimension of size n, padded to W * chunk."""
+    n: int
+    world_size: int
+    rank: int
+
+    @property
+    def chunk(self) -> int:
+        return math.ceil(self.n / self.world_size)
+
+    @property
+    def padded(self) -> int:
+        return self.chunk * self.world_size
+
+    @property
+    def lo(self) -> int:
+        return self.rank * self.chunk
+
+    @property
+    def real_rows(self) -> slice:
+        """This rank's rows that exist in the parameter."""
+        return slice(min(self.lo, self.n), min(self.lo + self.chunk, self.n))
+
+    def pad(self, t: Tensor) -> Tensor:
+        """t with zero rows appended up to the padded size (t itself when no padding)."""
+        if self.padded == self.n:
+            return t
+        return torch.cat([t, t.new_zeros((self.padded - self.n, *t.shape[1:]))])
+
+    def local(self, full: Tensor) -> Tensor:
+        """This rank's chunk of `full` (a view when unpadded, a padded copy otherwise)."""
+        if self.padded == self.n:
+            return full[self.lo:self.lo + self.chunk]
+        return self.pad(full)[self.lo:self.lo + self.chunk].clone()
+
+
+@dataclass
+class Entry:
+    name: str
+    param: Tensor
+    rule: ParamRule
+    view: Tensor                       # the parameter as the optimizer sees it (banks: [M, R, C])
+    shard: RowSharding | None          # None for replicated
+    state: object                      # BankState or AdamState
+    matrix_lr: Tensor | None = None    # banks: [chunk, 1, 1] lr_mul * shape mult * per-matrix mul
+    held: Tensor | None = None         # table cadence: the cycle's gradient sum (fp16, record #360)
+
+    def gradient(self) -> Tensor | None:
+        return self.held if self.held is not None else self.param.grad
+
+
+class OptimizerManager:
+    """ANVIL/NorMuon for the banks, Adam for the rest, sharded over the default process group
+    (or one process when torch.distributed is not initialized)."""
+
+    def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], schedule: TrainingSchedule,
+                 cfg: OptimConfig = OptimConfig(), table: dict[str, ParamRule] = RECORD_PARAM_TABLE,
+                 frozen_matrices: dict[str, Iterable[int]] | None = None):
+        """frozen_matrices: bank name -> matrix indices (of the [matrices, rows, cols] view) that get
+        lr 0 and so never move. Without it, a bank's own `frozen_matrices` attribute is used (the
+        record model marks mlp slot 7, layer 7 having no MLP: matrices 14 and 15)."""
+        if cfg.bank_optimizer not in ("anvil", "normuon"):
+            raise ValueError(f"OptimConfig.bank_optimizer={cfg.bank_optimizer!r}: expected "
+                             "'anvil' or 'normuon'")
+        self.schedule, self.cfg = schedule, cfg
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.entries: dict[str, Entry] = {}
+        for name, (param, rule) in build_param_table(named_parameters, table).items():
+            if frozen_matrices is not None:
+                frozen = frozenset(frozen_matrices.get(name, ()))
+            else:
+                frozen = frozenset(getattr(param, "frozen_matrices", ()))
+            self.entries[name] = self._make_entry(name, param, rule, frozen)
+        self.tied = EMBED in self.entries and LM_HEAD in self.entries
+        if self.tied:
+            lm, em = self.entries[LM_HEAD].param, self.entries[EMBED].param
+            if tuple(lm.shape) != tuple(em.shape[::-1]):
+                raise ValueError(f"{LM_HEAD} {tuple(lm.shape)} must be the transpose of {EMBED} "
+                                 f"{tuple(em.shape)} (lm_head is stored transposed)")
+        self.split = False
+
+    # --- construction ------------------------------------------------------------------------
+    def _make_entry(self, name: str, param: Tensor, rule: ParamRule, frozen: frozenset) -> Entry:
+        if rule.optim == "bank":
+            if param.dtype != torch.bfloat16 or param.dim() < 3:
+                raise ValueError(f"bank {name!r}: expected a bf16 stack of matrices, got "
+                                 f"{param.dtype} {tuple(param.shape)}")
+            view = param.data.view(-1, *param.shape[-2:])           # e.g. mlp [24, 2816, 768]
+            shard = RowSharding(view.size(0), self.world_size, self.rank)
+            chunk_shape = (shard.chunk, *view.shape[1:])
+            rails = 2 if self.cfg.bank_optimizer == "anvil" else 1
+            state = BankState.zeros(chunk_shape, rails=rails, device=param.device)
+            mults = []
+            for i in range(shard.lo, shard.lo + shard.chunk):
+                if i >= shard.n or i in frozen:
+                    mults.append(0.0)            # padding and frozen matrices never move
+                elif name == MLP_BANK and i % 2 == 1:
+                    mults.append(2.0)            # record #360: c_proj (odd bank index) x2
+                else:
+                    mults.append(1.0)
+            matrix_lr = torch.tensor(mults, dtype=torch.float32, device=param.device).view(-1, 1, 1)
+            matrix_lr *= rule.lr_mul * shape_lr_multiplier(chunk_shape)
+            return Entry(name, param, rule, view, shard, state, matrix_lr)
+        if rule.optim != "adam":
+            raise ValueError(f"parameter {name!r}: unknown optim {rule.optim!r}")
+        # Table-cadence gradients (value_embeds) are summed over the cycle in an fp16 buffer, as
+        # record #360's value-embed backward does, instead of in the bf16 .grad.
+        held = torch.zeros(param.shape, dtype=torch.float16, device=param.device) if rule.cadence == "table" else None
+        if rule.comms == "sharded":
+            shard = RowSharding(param.size(0), self.world_size, self.rank)
+            state = AdamState.zeros_like(shard.local(param.data))
+            return Entry(name, param, rule, param.data, shard, state, held=held)
+        return Entry(name, param, rule, param.data, None, AdamState.zeros_like(param.data), held=held)
+
+    def reset(self) -> None:
+        """Zero every optimizer state and re-tie embed (after the untimed warmup)."""
+        for e in self.entries.values():
+            e.state.zero_()
+            if e.held is not None:
+                e.held.zero_()
+        self.split = False
+
+    # --- per-step hyperparameters --------------------------------------------------------------
+    def bank_scalars(self, entry: Entry, step: int) -> BankStepScalars:
+        lr_mult = self.schedule.lr_mult(step)
+        cfg = self.cfg
+        if cfg.bank_optimizer == "anvil":
+            lr = cfg.anvil_lr * lr_mult
+            rail_beta = self.schedule.rail_beta(step)
+            fast_beta, fast_weight = rail_settings(step, rail_beta, self.schedule.rails_engaged(step),
+                                                   cfg.rail_fast_beta, cfg.rail_fast_weight)
+            return BankStepScalars(momentum=rail_beta, eff_wd=entry.rule.wd_mul * cfg.anvil_weight_decay * lr,
+                                   eff_lr=entry.matrix_lr * lr, fast_beta=fast_beta,
+                                   fast_weight=fast_weight, slow_beta=cfg.rail_slow_beta,
+                                   beta2=cfg.lane_beta2, margin=cfg.frobenius_margin,
+                                   eps=cfg.frobenius_eps)
+        # record #89's NorMuon, with its momentum schedule (0.85 -> 0.95 -> 0.85) over this run
+        lr = cfg.normuon_lr * lr_mult
+        return BankStepScalars(momentum=muon_momentum(step, self.schedule.total_steps),
+                               eff_wd=entry.rule.wd_mul * cfg.normuon_weight_decay * lr,
+                               eff_lr=entry.matrix_lr * lr, beta2=cfg.lane_beta2,
+                               margin=cfg.normuon_frobenius_margin, eps=cfg.frobenius_eps)
+
+    def adam_hparams(self, entry: Entry, step: int) -> tuple[tuple[float, float], float, float]:
+        """(betas, effective lr, decay coefficient base * wd_mul) of an Adam parameter at step."""
+        rule = entry.rule
+        betas, wd_mul = rule.betas, rule.wd_mul
+        if entry.name == VALUE_EMBEDS:
+            betas, wd_mul = value_embed_hparams(rule, self.schedule.table_period4(step))
+        lr = self.cfg.adam_lr * self.schedule.lr_mult(step) * rule.lr_mul
+        return betas, lr, self.cfg.adam_weight_decay * wd_mul
+
+    def ngram_event_hparams(self, step: int) -> dict:
+        """Keyword arguments of optim.adam.row_sparse_adam_event for the n-gram table at a table
+        event (record #360: lr 0.008 * schedule * 70, beta2 0.95 -> 0.9025 and wd_mul 5 -> 10 at
+        the 4-step cadence, eps 1e-10)."""
+        period4 = self.schedule.table_period4(step)
+        cfg = self.cfg
+        return dict(lr=cfg.adam_lr * self.schedule.lr_mult(step) * cfg.ngram_lr_mul,
+                    beta2=cfg.ngram_beta2 ** 2 if period4 else cfg.ngram_beta2,
+                    weight_decay=cfg.adam_weight_decay * cfg.ngram_wd_mul * (2 if period4 else 1),
+                    world_size=self.world_size, eps=cfg.adam_eps)
+
+    def updates_at(self, entry: Entry, step: int) -> bool:
+        cadence = entry.rule.cadence
+        if cadence == "every":
+            return True
+        if cadence == "adam":
+            if entry.name == EMBED and self.tied and not self.split:
+                return False       # updated through lm_head
+            return self.schedule.is_adam_step(step)
+        return self.schedule.is_table_event(step)
+
+    # --- the step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, step: int) -> None:
+        """Reduce, update and gather every parameter due at `step`; clear the gradients used."""
+        for e in self.entries.values():
+            if e.held is not None and e.param.grad is not None:
+                e.held.add_(e.param.grad)
+                e.param.grad = None
+        due = {name for name, e in self.entries.items()
+               if self.updates_at(e, step) and (e.held is not None or e.param.grad is not None)}
+        adam_step = self.schedule.is_adam_step(step)
+        if self.tied and not self.split and adam_step and LM_HEAD in due:
+            embed = self.entries[EMBED].param
+            if embed.grad is not None:     # tied: embed's gradient trains lm_head
+                self.entries[LM_HEAD].param.grad.add_(embed.grad.mT)
+
+        # Phase 0: the replicated Adam params' all-reduces.
+        replicated = [n for n, e in self.entries.items() if n in due and e.shard is None]
+        pending = {n: self._all_reduce(self.entries[n].gradient()) for n in replicated}
+        # Phase 1: reduce-scatters, in scatter order.
+        for name in self._ordered(SCATTER_ORDER):
+            if name in due and name not in pending:
+                pending[name] = self._reduce_scatter(self.entries[name])
+        # Phase 2: wait, update, launch the gather, in work order; the replicated ones first.
+        gathers = {}
+        for name in replicated + [n for n in self._ordered(WORK_ORDER) if n in pending and n not in replicated]:
+            work, grad = pending[name]
+            if work is not None:
+                work.wait()
+            entry = self.entries[name]
+            if entry.shard is None:
+                self._adam(entry, entry.param.data, grad, step)
+                continue
+            local = entry.shard.local(entry.view)
+            if entry.rule.optim == "bank":
+                update = anvil_update if self.cfg.bank_optimizer == "anvil" else normuon_update
+                update(local, grad, entry.state, self.bank_scalars(entry, step))
+            else:
+                self._adam(entry, local, grad, step)
+            gathers[name] = self._all_gather(entry, local)
+        # Phase 3: lm_head's gather first (the tied copy needs it), then the rest.
+        for name in sorted(gathers, key=lambda n: n != LM_HEAD):
+            self._finish_gather(self.entries[name], *gathers[name])
+            if name == LM_HEAD and self.tied and not self.split:
+                self.entries[EMBED].param.data.copy_(self.entries[LM_HEAD].param.data.mT)
+        # Clear the gradients that were consumed (Adam grads keep accumulating until their step).
+        for name in due:
+            self.entries[name].param.grad = None
+            if self.entries[name].held is not None:
+                self.entries[name].held.zero_()
+        if self.tied and not self.split and adam_step:
+            self.entries[EMBED].param.grad = None
+        if self.tied and step == self.schedule.split_step:
+            self.untie()
+
+    def _ordered(self, order: tuple[str, ...]) -> list[str]:
+        """The given order, then any sharded entry it does not name (e.g. a renamed parameter)."""
+        named = [n for n in order if n in self.entries]
+        rest = [n for n, e in self.entries.items() if e.shard is not None and n not in order]
+        return named + rest
+
+    def _adam(self, entry: Entry, p: Tensor, grad: Tensor, step: int) -> None:
+        betas, lr, wd = self.adam_hparams(entry, step)
+        adam_update(p, grad, entry.state, betas, lr, self.cfg.adam_eps, wd)
+
+    # --- collectives (no-ops on one process) --------------------------------------------------------
+    def _all_reduce(self, grad: Tensor):
+        if self.world_size == 1:
+            return None, grad
+        return dist.all_reduce(grad, op=dist.ReduceOp.AVG, async_op=True), grad
+
+    def _reduce_scatter(self, entry: Entry):
+        grad = entry.gradient().view(entry.view.shape)
+        if self.world_size == 1:
+            return None, grad
+        full = entry.shard.pad(grad).contiguous()
+        out = torch.empty((entry.shard.chunk, *full.shape[1:]), dtype=full.dtype, device=full.device)
+        return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.AVG, async_op=True), out
+
+    def _all_gather(self, entry: Entry, local: Tensor):
+        if self.world_size == 1:
+            return None, None
+        shard = entry.shard
+        if shard.padded == shard.n:
+            target = entry.view          # gather straight into the parameter
+        else:
+            target = torch.empty((shard.padded, *local.shape[1:]), dtype=local.dtype, device=local.device)
+        return dist.all_gather_into_tensor(target, local.contiguous(), async_op=True), target
+
+    def _finish_gather(self, entry: Entry, work, target: Tensor | None) -> None:
+        if work is None:   # one process: never padded, the update was in place
+            return
+        work.wait()
+        if target is not entry.view:
+            entry.view.copy_(target[:entry.shard.n])
+
+    # --- tying ------------------------------------------------------------------------------------
+    def untie(self) -> None:
+        """Copy lm_head's Adam moments (gathered, transposed, resharded) into embed's; from now on
+        embed has its own gradient and update (record #360: after step 1175's tied update)."""
+        lm, em = self.entries[LM_HEAD], self.entries[EMBED]
+        em.state.step = lm.state.step
+        for key in ("exp_avg", "exp_avg_sq"):
+            full = self._gather_rows(lm, getattr(lm.state, key))            # [D, V] fp32
+            rows = slice(em.shard.lo, em.shard.lo + em.shard.chunk)
+            moment = em.shard.pad(embed_moments_from_lm_head(full, slice(None)))[rows]
+            getattr(em.state, key).copy_(moment)
+        self.split = True
+
+    def _gather_rows(self, entry: Entry, local: Tensor) -> Tensor:
+        """The full (unpadded) tensor whose rows are sharded like `entry`, from this rank's chunk."""
+        if self.world_size == 1:
+            return local[:entry.shard.n]
+        full = torch.empty((entry.shard.padded, *local.shape[1:]), dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(full, local.contiguous())
+        return full[:entry.shard.n]
+
+    # --- for the tail averages -----------------------------------------------------------------
+    def own_shard(self, name: str) -> Tensor:
+        """The rows of `name` this rank updates (a view into the parameter; banks as matrices)."""
+        entry = self.entries[name]
+        if entry.shard is None:
+            return entry.view
+        return entry.view[entry.shard.real_rows]
+
+    def gather_param(self, name: str) -> None:
+        """Rebuild the full parameter on every rank from each rank's own shard."""
+        entry = self.entries[name]
+        if self.world_size == 1 or entry.shard is None:
+            return
+        local = entry.shard.local(entry.view)
+        self._finish_gather(entry, *self._all_gather(entry, local))
+
+
+# --- the n-gram table -----------------------------------------------------------------------------
+
+def gather_owned_rows(row_ids: Tensor, grads: Tensor, lo: int, hi: int, world_size: int) -> tuple[Tensor, Tensor]:
+    """Every rank's (row id, gradient row) pairs for the rows [lo, hi) this rank owns, merged:
+    (local row indices, fp32 gradient sums over ranks).
+
+    Portable version of record #360's count / id / row all_to_alls: all ranks all-gather their
+    merged rows (padded to the largest count) and each owner keeps its own. Same sums; the
+    record sums in fp16/bf16 on the way, this path in fp32."""
+    ids, summed = merge_rows(row_ids, grads)
+    if world_size > 1:
+        count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
+        counts = torch.empty(world_size, dtype=torch.int64, device=ids.device)
+        dist.all_gather_into_tensor(counts, count)
+        width = int(counts.max())
+        padded_ids = torch.full((width,), -1, dtype=ids.dtype, device=ids.device)
+        padded_ids[:ids.numel()] = ids
+        padded_grads = summed.new_zeros((width, summed.size(1)))
+        padded_grads[:ids.numel()] = summed
+        all_ids = torch.empty(world_size * width, dtype=ids.dtype, device=ids.device)
+        all_grads = summed.new_empty((world_size * width, summed.size(1)))
+        dist.all_gather_into_tensor(all_ids, padded_ids)
+        dist.all_gather_into_tensor(all_grads, padded_grads)
+        ids, summed = all_ids, all_grads
+    mine = (ids >= lo) & (ids < hi)
+    ids, summed = merge_rows(ids[mine], summed[mine])
+    return ids - lo, summed
+
+
+class NgramRowOptimizer:
+    """Row-sparse Adam of the n-gram table on this rank's contiguous row shard (record #360,
+    modules §4.4-4.5): each step's (row ids [2T], sink gradient [2T, D]) are held until the next
+    table event, then summed per row over the cycle and the ranks and applied by
+    optim.adam.row_sparse_adam_event. The last cycle of a run has no event (record #360 too)."""
+
+    def __init__(self, shard: Tensor, rows_per_rank: int, manager: OptimizerManager):
+        if shard.size(0) != rows_per_rank:
+            raise ValueError(f"n-gram shard has {shard.size(0)} rows, expected rows_per_rank={rows_per_rank}")
+        self.shard, self.manager = shard, manager
+        self.lo = manager.rank * rows_per_rank
+        self.hi = self.lo + rows_per_rank
+        self.state = RowAdamState.zeros(rows_per_rank, device=shard.device)
+        self._ids: list[Tensor] = []
+        self._grads: list[Tensor] = []
+
+    def accumulate(self, row_ids: Tensor, sink_grad: Tensor) -> None:
+        """Hold one step's gradient rows (merged per row to keep the cycle's buffer small)."""
+        if row_ids.dim() != 1 or sink_grad.shape != (row_ids.numel(), self.shard.size(1)):
+            raise ValueError(f"n-gram gradient: expected row ids [N] and sink gradient [N, "
+                             f"{self.shard.size(1)}], got {tuple(row_ids.shape)} and {tuple(sink_grad.shape)}")
+        ids, summed = merge_rows(row_ids.long(), sink_grad)
+        self._ids.append(ids)
+        self._grads.append(summed)
+
+    @torch.no_grad()
+    def step(self, step: int) -> bool:
+        """Apply the held gradients if `step` is a table event; returns whether it was."""
+        if not self.manager.schedule.is_table_event(step):
+            return False
+        d = self.shard.size(1)
+        ids = torch.cat(self._ids) if self._ids else torch.empty(0, dtype=torch.int64, device=self.shard.device)
+        grads = torch.cat(self._grads) if self._grads else self.shard.new_zeros((0, d), dtype=torch.float32)
+        local, summed = gather_owned_rows(ids, grads, self.lo, self.hi, self.manager.world_size)
+        row_sparse_adam_event(self.shard, self.state, local, summed, **self.manager.ngram_event_hparams(step))
+        self._ids.clear()
+        self._grads.clear()
+        return True
+
+    def reset(self) -> None:
+        self.state.zero_()
+        self._ids.clear()
+        self._grads.clear()

@@ -1,0 +1,148 @@
+"""The schedule reproduces hand-listed record #360 numbers (reference: record_360_modules.md §7)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from config import SCHEDULE_PRESETS, ScheduleConfig
+from optim.schedule import TrainingSchedule, main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def record():
+    return TrainingSchedule(SCHEDULE_PRESETS["record"])
+
+
+def test_stage_ends_split_and_totals(record):
+    assert record.stage_ends == [0, 320, 681, 1107, 1174, 1194]
+    assert record.total_steps == 1194 and record.scheduled_steps == 1174
+    assert record.split_step == 1175
+    assert record.cooldown_start == 234
+    # Total training tokens, modules §7.4: 328,663,040.
+    assert sum(record.batch_tokens(s) for s in range(1194)) == 328_663_040
+
+
+@pytest.mark.parametrize("step,expected", [
+    (0, 1.0), (233, 1.0), (234, 1.0), (235, 0.99926), (319, 0.93670), (320, 1.40838),
+    (680, 0.94115), (681, 1.04999), (700, 1.021085), (1106, 0.40345), (1107, 0.39118),
+    (1173, 0.30136), (1174, 0.30), (1193, 0.30),
+])
+def test_lr_multiplier(record, step, expected):
+    assert record.lr_mult(step) == pytest.approx(expected, abs=1e-5)
+
+
+def test_lr_multiplier_hand_formula(record):
+    # step 700: stage 2 (lr_mul 1.73), tau = (700 - 234) / 940
+    tau = 466 / 940
+    assert record.lr_mult(700) == pytest.approx(1.73 * (1 - tau) + 0.30 * tau, rel=1e-12)
+
+
+@pytest.mark.parametrize("step,expected", [
+    (0, 0.85), (100, 0.883333), (239, 0.929667), (240, 0.93), (700, 0.93), (1144, 0.93),
+    (1145, 0.9284), (1174, 0.882), (1193, 0.8516),
+])
+def test_rail_beta(record, step, expected):
+    assert record.rail_beta(step) == pytest.approx(expected, abs=1e-6)
+
+
+def test_rails_engage_at_514(record):
+    assert not record.rails_engaged(513) and record.rails_engaged(514)
+
+
+@pytest.mark.parametrize("step,expected", [
+    (0, (1.0, 0.5, 0.25)), (160, (1.0, 0.5, 0.125)), (319, (1.0, 0.5, 0.25 / 320)),
+    (320, (1.0, 0.5)), (680, (1.0, 0.5 / 361)), (681, (1.0,)), (1107, (1.0,)), (1193, (1.0,)),
+])
+def test_mtp_weights(record, step, expected):
+    assert record.mtp_weights(step) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("step,expected", [
+    (0, 0.25), (319, 0.25), (320, 0.20), (410, 0.20), (411, 0.15), (500, 0.15), (501, 0.10),
+    (590, 0.10), (591, 0.05), (680, 0.05), (681, 0.0), (1193, 0.0),
+])
+def test_prefix_weight(record, step, expected):
+    assert record.prefix_weight(step) == expected
+
+
+@pytest.mark.parametrize("step,expected", [
+    (0, 10240), (680, 10240), (681, 14336), (822, 14336), (823, 14336), (964, 14336),
+    (965, 24576), (1106, 24576), (1107, 0), (1193, 0), (1194, 0),
+])
+def test_softmax_p(record, step, expected):
+    assert record.softmax_p(step) == expected
+
+
+@pytest.mark.parametrize("step,windows,doc_cap,max_seq,batch", [
+    (0, (1, 3), 896, 896, 131072), (320, (3, 7), 2048, 2048, 262144),
+    (681, (5, 11), 3072, 2560, 393216), (1107, (5, 11), 3072, 2560, 327680),
+    (1174, (6, 13), 3072, 2560, 131072), (1193, (6, 13), 3072, 2560, 131072),
+])
+def test_windows_caps_batches(record, step, windows, doc_cap, max_seq, batch):
+    assert record.windows(step) == windows
+    assert record.doc_cap(step) == doc_cap
+    assert record.max_seq_len(step) == max_seq
+    assert record.batch_tokens(step) == batch
+
+
+def test_settings_bundle(record):
+    s = record.settings(967)   # 967 = 3 mod 4: a table event
+    assert (s.stage, s.softmax_p, s.ws_short, s.ws_long, s.doc_cap, s.max_seq_len) == (2, 24576, 5, 11, 3072, 2560)
+    assert s.adam_step and s.table_event and s.mtp_weights == (1.0,) and s.prefix_weight == 0.0
+    assert s.lr_mult == record.lr_mult(967) and s.rail_beta == 0.93 and s.batch_tokens == 393216
+
+
+def test_final_validation_window(record):
+    assert record.final_windows() == (6, 20)
+
+
+def test_adam_and_table_cadence(record):
+    adam = [s for s in range(1194) if record.is_adam_step(s)]
+    events = [s for s in range(1194) if record.is_table_event(s)]
+    assert len(adam) == 597 and adam[:3] == [1, 3, 5] and adam[-1] == 1193
+    assert events == list(range(1, 336, 2)) + list(range(339, 1192, 4))
+    assert len(events) == 382
+    assert sum(1 for s in events if s < 336) == 168
+
+
+def test_smoke_crosses_every_transition():
+    sched = TrainingSchedule(SCHEDULE_PRESETS["smoke"])
+    cfg = sched.cfg
+    assert 60 <= sched.total_steps <= 120
+    assert len(sched.spans) == 5 and all(sp.end > sp.start for sp in sched.spans)
+    steps = range(sched.total_steps)
+    assert any(not sched.rails_engaged(s) for s in steps) and any(sched.rails_engaged(s) for s in steps)
+    assert 0 < cfg.table_period4_step < sched.total_steps and cfg.table_period4_step % 4 == 0
+    assert sched.split_step < sched.total_steps
+    assert len({sched.softmax_p(s) for s in steps}) == 4  # two sampled sizes in stage 2, and full
+    # the tail windows start after the 4-step table cadence (TailAverages asserts this too)
+    assert sched.total_steps - cfg.tail_avg_window >= cfg.table_period4_step
+
+
+def test_bad_config_is_named():
+    with pytest.raises(ValueError, match="growth_steps"):
+        TrainingSchedule(ScheduleConfig(growth_steps=3))
+    with pytest.raises(ValueError, match="stages"):
+        TrainingSchedule(ScheduleConfig(stages=SCHEDULE_PRESETS["record"].stages[:4]))
+
+
+def test_cli_prints_table_and_plots(tmp_path, capsys):
+    out_png = tmp_path / "sched.png"
+    assert main(["--config", "smoke", "--plot", str(out_png)]) == 0
+    text = capsys.readouterr().out
+    assert "stage ends [0, 17, 36, 60, 64, 70]" in text
+    assert out_png.stat().st_size > 1000 and out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_module_entry_point():
+    res = subprocess.run([sys.executable, "-m", "optim.schedule", "--config", "record"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "stage ends [0, 320, 681, 1107, 1174, 1194]" in res.stdout
+    assert "14336@681, 24576@965" in res.stdout
+    bad = subprocess.run([sys.executable, "-m", "optim.schedule", "--config", "nope"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--config 'nope'" in bad.stderr
