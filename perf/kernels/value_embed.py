@@ -86,7 +86,7 @@ def _gather_rows_kernel(
 def _scatter_add_rows_kernel(
     dst_ptr, grad_ptr, sorted_ids_ptr, order_ptr, run_end_ptr, D,
     stride_dst, stride_g,
-    BLOCK_D: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dst[r] ← dst[r] + Σ grad[i] over ids[i] = r, for the run of equal ids that starts at sorted position i.
 
@@ -105,9 +105,13 @@ def _scatter_add_rows_kernel(
     if (i == 0) | (prev != row):
         end = tl.load(run_end_ptr + i)
         acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for j in range(i, end):
-            src = tl.load(order_ptr + j).to(tl.int64)
-            acc += tl.load(grad_ptr + src * stride_g + rd, mask=d_ok, other=0.0).to(tl.float32)
+        for j0 in range(i, end, BLOCK_J):  # a hot row (a common token) repeats thousands of times: BLOCK_J rows a step
+            jj = j0 + tl.arange(0, BLOCK_J)
+            j_ok = jj < end
+            src = tl.load(order_ptr + jj, mask=j_ok, other=0).to(tl.int64)
+            g = tl.load(grad_ptr + src[:, None] * stride_g + rd[None, :],
+                        mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_J, BLOCK_D)
+            acc += tl.sum(g.to(tl.float32), axis=0)
         dst_row = dst_ptr + row.to(tl.int64) * stride_dst + rd
         old = tl.load(dst_row, mask=d_ok, other=0.0).to(tl.float32)
         tl.store(dst_row, (old + acc).to(dst_ptr.dtype.element_ty), mask=d_ok)
@@ -115,8 +119,8 @@ def _scatter_add_rows_kernel(
 
 def _row_tiles(device: torch.device) -> dict:
     if device.type == "cuda":
-        return dict(BLOCK_N=8, BLOCK_D=256, num_warps=4)
-    return dict(BLOCK_N=4, BLOCK_D=16, num_warps=1)  # interpreter: small tiles, quick tests
+        return dict(BLOCK_N=8, BLOCK_J=32, BLOCK_D=256, num_warps=4)
+    return dict(BLOCK_N=4, BLOCK_J=4, BLOCK_D=16, num_warps=1)  # interpreter: small tiles, quick tests
 
 
 def gather_rows_triton(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -127,7 +131,8 @@ def gather_rows_triton(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     out = torch.empty((N, D), dtype=table.dtype, device=table.device)
     tiles = _row_tiles(table.device)
     grid = (triton.cdiv(N, tiles["BLOCK_N"]), triton.cdiv(D, tiles["BLOCK_D"]))
-    _gather_rows_kernel[grid](table, ids, out, N, D, table.stride(0), out.stride(0), **tiles)
+    _gather_rows_kernel[grid](table, ids, out, N, D, table.stride(0), out.stride(0),
+                              BLOCK_N=tiles["BLOCK_N"], BLOCK_D=tiles["BLOCK_D"], num_warps=tiles["num_warps"])
     return out
 
 
@@ -143,7 +148,7 @@ def scatter_add_rows_triton_(dst: torch.Tensor, ids: torch.Tensor, grad: torch.T
     tiles = _row_tiles(dst.device)
     grid = (N, triton.cdiv(D, tiles["BLOCK_D"]))
     _scatter_add_rows_kernel[grid](dst, grad, sorted_ids, order, run_end, D, dst.stride(0), grad.stride(0),
-                                   BLOCK_D=tiles["BLOCK_D"], num_warps=tiles["num_warps"])
+                                   BLOCK_J=tiles["BLOCK_J"], BLOCK_D=tiles["BLOCK_D"], num_warps=tiles["num_warps"])
     return dst
 
 
