@@ -51,7 +51,7 @@ def ulp_distance(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     dtype = dtype or expected.dtype
     if actual.shape != expected.shape:
         raise ValueError(f"ulp_distance: shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
-    a, e = actual.double(), expected.double()
+    a, e = actual.detach().double(), expected.detach().double()
     info = torch.finfo(dtype)
     magnitude = torch.maximum(a.abs(), e.abs()).clamp_min(info.tiny)
     _, exponent = torch.frexp(magnitude)  # magnitude = m·2^exponent with m in [0.5, 1)
