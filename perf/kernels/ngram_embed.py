@@ -128,10 +128,15 @@ def _ngram_backward_kernel(
     tl.store(d_rows_ptr + (T + rt64)[:, None] * stride_dr + rd[None, :], (g * s_tri).to(out_ty), mask=mask)
 
 
+# Launch configurations by name (both kernels); tests compile every "cuda*" one for SM90 (tests/kernels).
+TILES = {
+    "cuda": dict(BLOCK_T=8, BLOCK_D=256, num_warps=4),
+    "interpreter": dict(BLOCK_T=4, BLOCK_D=16, num_warps=1),  # CPU tests: small and quick
+}
+
+
 def _tiles(device: torch.device) -> dict:
-    if device.type == "cuda":
-        return dict(BLOCK_T=8, BLOCK_D=256, num_warps=4)
-    return dict(BLOCK_T=4, BLOCK_D=16, num_warps=1)  # interpreter: small tiles, quick tests
+    return TILES["cuda" if device.type == "cuda" else "interpreter"]
 
 
 def _contiguous_rows(x: torch.Tensor) -> torch.Tensor:

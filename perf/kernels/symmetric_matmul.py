@@ -117,15 +117,21 @@ def _gram_kernel(
                  mask=(rn[:, None] < M) & (rm[None, :] < M))
 
 
+# Launch configurations by name; tests compile every "cuda*" one for SM90 (tests/kernels).
+TILES = {
+    "cuda_large": dict(BLOCK=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "cuda_small": dict(BLOCK=64, BLOCK_K=64, num_warps=4, num_stages=4),  # more programs for small Grams
+    "interpreter": dict(BLOCK=16, BLOCK_K=16, num_warps=1, num_stages=1),  # CPU tests: small and quick
+}
+
+
 def _tiles(device: torch.device, M: int, batch: int) -> dict:
-    """Tile sizes: small in the interpreter (CPU tests); on a GPU 128-wide tiles unless that leaves SMs idle."""
+    """The interpreter's small tiles on CPU; on a GPU 128-wide tiles unless that leaves SMs idle."""
     if device.type != "cuda":
-        return dict(BLOCK=16, BLOCK_K=16, num_warps=1, num_stages=1)
+        return TILES["interpreter"]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     upper_tiles_128 = triton.cdiv(M, 128) * (triton.cdiv(M, 128) + 1) // 2
-    if batch * upper_tiles_128 >= sms:
-        return dict(BLOCK=128, BLOCK_K=64, num_warps=8, num_stages=3)
-    return dict(BLOCK=64, BLOCK_K=64, num_warps=4, num_stages=4)
+    return TILES["cuda_large"] if batch * upper_tiles_128 >= sms else TILES["cuda_small"]
 
 
 def _gram_triton(Y: torch.Tensor, A: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:

@@ -117,10 +117,15 @@ def _scatter_add_rows_kernel(
         tl.store(dst_row, (old + acc).to(dst_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _row_tiles(device: torch.device) -> dict:
-    if device.type == "cuda":
-        return dict(BLOCK_N=8, BLOCK_J=32, BLOCK_D=256, num_warps=4)
-    return dict(BLOCK_N=4, BLOCK_J=4, BLOCK_D=16, num_warps=1)  # interpreter: small tiles, quick tests
+# Launch configurations by name; tests compile every "cuda*" one for SM90 (tests/kernels).
+GATHER_TILES = {
+    "cuda": dict(BLOCK_N=8, BLOCK_D=256, num_warps=4),
+    "interpreter": dict(BLOCK_N=4, BLOCK_D=16, num_warps=1),  # CPU tests: small and quick
+}
+SCATTER_TILES = {
+    "cuda": dict(BLOCK_J=32, BLOCK_D=256, num_warps=4),
+    "interpreter": dict(BLOCK_J=4, BLOCK_D=16, num_warps=1),
+}
 
 
 def gather_rows_triton(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -129,10 +134,9 @@ def gather_rows_triton(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         raise ValueError("gather_rows: the table's rows must be contiguous (stride 1 along D)")
     N, D = ids.numel(), table.shape[1]
     out = torch.empty((N, D), dtype=table.dtype, device=table.device)
-    tiles = _row_tiles(table.device)
+    tiles = GATHER_TILES["cuda" if table.is_cuda else "interpreter"]
     grid = (triton.cdiv(N, tiles["BLOCK_N"]), triton.cdiv(D, tiles["BLOCK_D"]))
-    _gather_rows_kernel[grid](table, ids, out, N, D, table.stride(0), out.stride(0),
-                              BLOCK_N=tiles["BLOCK_N"], BLOCK_D=tiles["BLOCK_D"], num_warps=tiles["num_warps"])
+    _gather_rows_kernel[grid](table, ids, out, N, D, table.stride(0), out.stride(0), **tiles)
     return out
 
 
@@ -145,10 +149,9 @@ def scatter_add_rows_triton_(dst: torch.Tensor, ids: torch.Tensor, grad: torch.T
         return dst
     sorted_ids, order = torch.sort(ids, stable=True)
     run_end = torch.searchsorted(sorted_ids, sorted_ids, right=True)  # one past each run of equal ids
-    tiles = _row_tiles(dst.device)
+    tiles = SCATTER_TILES["cuda" if dst.is_cuda else "interpreter"]
     grid = (N, triton.cdiv(D, tiles["BLOCK_D"]))
-    _scatter_add_rows_kernel[grid](dst, grad, sorted_ids, order, run_end, D, dst.stride(0), grad.stride(0),
-                                   BLOCK_J=tiles["BLOCK_J"], BLOCK_D=tiles["BLOCK_D"], num_warps=tiles["num_warps"])
+    _scatter_add_rows_kernel[grid](dst, grad, sorted_ids, order, run_end, D, dst.stride(0), grad.stride(0), **tiles)
     return dst
 
 
