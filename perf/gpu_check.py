@@ -1,9 +1,10 @@
 """The one script a lent H100/H200 runs: every registered check's parity and speed, in one table.
 
-Each check runs a fast-path kernel and its portable twin at record shapes, reports the largest
-parity error against the check's tolerance, and times both with CUDA events (median of repeats);
-the ratio is torch time / kernel time (> 1: the kernel is faster). The table is printed with the
-device and library versions in its header and written as results.json and results.md.
+Each kernel check runs a fast-path kernel and its portable twin at record shapes, reports the
+largest parity error against the check's tolerance, and times both with CUDA events (median of
+repeats); the ratio is torch time / kernel time (> 1: the kernel is faster). The `gpu_tests` check
+runs the pytest tests marked `gpu` (CI skips them). The table is printed with the device and
+library versions in its header and written as results.json and results.md.
 
     python perf/gpu_check.py                      # on the GPU machine; must finish well under 8 minutes
     python perf/gpu_check.py --only transpose     # checks whose name starts with a prefix
@@ -22,7 +23,9 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -262,6 +265,34 @@ def check_ngram_embed(ctx: Context) -> list[Result]:
                           ctx.time_ms(lambda: torch.autograd.grad(out_k, rows, grad, retain_graph=True)),
                           ctx.time_ms(lambda: torch.autograd.grad(out_t, rows, grad, retain_graph=True))))
     return results
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GPU_TESTS_TIMEOUT_S = 240  # keeps the whole script inside its 8-minute budget
+
+
+@register("gpu_tests")
+def check_gpu_tests(ctx: Context) -> list[Result]:
+    """The pytest tests marked `gpu` (skipped in CI) run here; a dry run only collects them."""
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+    if ctx.dry_run:
+        cmd.append("--collect-only")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=GPU_TESTS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return [Result("gpu_tests", "pytest -m gpu", float("inf"), 0.0, "tests", note=f"timed out after {GPU_TESTS_TIMEOUT_S} s")]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    summary = lines[-1].strip("= ") if lines else proc.stderr.strip()[-200:]
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected|selected|collected)", summary)}
+    # pytest exits 0 (all passed), 1 (failures) or 5 (nothing selected); anything else broke the run itself
+    broken = proc.returncode not in (0, 1, 5)
+    failures = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0) + (1 if broken else 0)
+    if broken:
+        traceback_tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+        summary += " | " + " / ".join(traceback_tail)
+    return [Result("gpu_tests", "pytest -m gpu" + (" --collect-only" if ctx.dry_run else ""), float(failures), 0.0,
+                   "failed", note=f"{summary} ({time.perf_counter() - t0:.0f} s)")]
 
 
 # ------------------------------------------------------------------------------------------------

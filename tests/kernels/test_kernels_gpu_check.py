@@ -59,7 +59,11 @@ def test_dry_run_writes_results(tmp_path):
     env = payload["environment"]
     assert env["device"].startswith("CPU") and env["torch"] == torch.__version__ and env["triton"]
     assert {r["check"] for r in payload["results"]} == set(gc.CHECKS)
-    assert all(r["passed"] and r["kernel_ms"] is not None and r["torch_ms"] is not None for r in payload["results"])
+    assert all(r["passed"] for r in payload["results"])
+    kernel_rows = [r for r in payload["results"] if r["check"] != "gpu_tests"]
+    assert all(r["kernel_ms"] is not None and r["torch_ms"] is not None for r in kernel_rows)
+    (gpu_tests,) = [r for r in payload["results"] if r["check"] == "gpu_tests"]
+    assert gpu_tests["case"] == "pytest -m gpu --collect-only" and "deselected" in gpu_tests["note"]
     md = (tmp_path / "results.md").read_text()
     assert f"torch {torch.__version__}" in md and "| check | case | parity |" in md
     assert md.count("| yes |") == len(payload["results"])
