@@ -147,6 +147,7 @@ class _NgramEmbedTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, sign_pool, sign_rows):
         rows, sign_pool = _contiguous_rows(rows), _contiguous_rows(sign_pool)
+        sign_rows = sign_rows.contiguous()  # the kernels read sign_rows[t] at sign_rows_ptr + t
         T, D = rows.shape[0] // 2, rows.shape[1]
         out = torch.empty((T, D), dtype=rows.dtype, device=rows.device)
         tiles = _tiles(rows.device)

@@ -39,6 +39,12 @@ def _check_ids(name: str, table: torch.Tensor, ids: torch.Tensor) -> None:
                          f"[{int(ids.min())}, {int(ids.max())}]")
 
 
+def _check_gather(table: torch.Tensor, ids: torch.Tensor) -> None:
+    _check_ids("gather_rows", table, ids)
+    if ids.dim() != 1:
+        raise ValueError(f"gather_rows: ids must be flat (N,), got shape {tuple(ids.shape)}")
+
+
 def _check_scatter(dst: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor) -> None:
     _check_ids("scatter_add_rows_", dst, ids)
     if ids.dim() != 1 or grad.shape != (ids.shape[0], dst.shape[1]):
@@ -50,7 +56,7 @@ def _check_scatter(dst: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor) -> 
 # Portable twins: the definition of the math
 
 def gather_rows_portable(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    _check_ids("gather_rows", table, ids)
+    _check_gather(table, ids)
     return table.index_select(0, ids)  # (N, D)
 
 
@@ -129,9 +135,10 @@ SCATTER_TILES = {
 
 
 def gather_rows_triton(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    _check_ids("gather_rows", table, ids)
+    _check_gather(table, ids)
     if table.stride(1) != 1:
         raise ValueError("gather_rows: the table's rows must be contiguous (stride 1 along D)")
+    ids = ids.contiguous()  # the kernel reads ids[i] at ids_ptr + i
     N, D = ids.numel(), table.shape[1]
     out = torch.empty((N, D), dtype=table.dtype, device=table.device)
     tiles = GATHER_TILES["cuda" if table.is_cuda else "interpreter"]

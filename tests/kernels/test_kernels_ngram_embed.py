@@ -45,8 +45,10 @@ def test_kernel_matches_twin_forward_and_backward(T, D, ids_dtype):
     assert torch.equal(d_k, d_t)  # products with ±1 are exact: bit-identical sink gradients
 
 
-def test_kernel_takes_a_strided_gradient():
+def test_kernel_takes_strided_gradient_and_sign_rows():
     rows, pool, sr, grad = _inputs(T=6, D=20)
+    sr = torch.stack([sr, sr.flip(0)], dim=1)[:, 1]  # (12,), stride 2
+    assert sr.stride() == (2,)
     wide = torch.randn(6, 40).bfloat16()
     g = wide[:, 5:25]  # (6, 20) with row stride 40
     (d_k,) = torch.autograd.grad(ng.ngram_embed_triton(rows, pool, sr), rows, g)

@@ -56,6 +56,12 @@ def test_gather_kernel_is_exact(ids_dtype):
     assert torch.equal(ve.gather_rows_triton(table, ids), ve.gather_rows_portable(table, ids))
 
 
+def test_gather_kernel_reads_strided_ids():
+    table, ids = _table(), _ids_with_duplicates(n=40)
+    strided = ids[::2]  # (20,), stride 2
+    assert torch.equal(ve.gather_rows_triton(table, strided), table[strided])
+
+
 @pytest.mark.parametrize("dst_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [1, 40])
 def test_scatter_add_kernel_matches_twin(dst_dtype, n):
@@ -105,6 +111,8 @@ def test_bad_inputs_are_named():
     table = _table(rows=10, dim=4)
     with pytest.raises(IndexError, match=r"gather_rows: ids must lie in \[0, 10\), got range \[0, 10\]"):
         ve.gather_rows(table, torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match=r"gather_rows: ids must be flat \(N,\), got shape \(1, 2\)"):
+        ve.gather_rows(table, torch.tensor([[0, 1]]))
     with pytest.raises(TypeError, match="ids must be int32 or int64"):
         ve.value_embed(table, torch.tensor([0.0]))
     with pytest.raises(ValueError, match="grad_buffer must match the table's shape"):
