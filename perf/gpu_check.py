@@ -153,7 +153,7 @@ def register(name: str) -> Callable[[CheckFn], CheckFn]:
 
 
 def _fp32_sum_slack(terms: float, magnitude: float) -> float:
-    """Bound on two fp32 summation orders' disagreement: terms · 2^-24 · the sum of |terms|' size."""
+    """Bound on how far two fp32 summation orders of `terms` terms can disagree; magnitude >= Σ|term|."""
     return terms * 2.0**-24 * magnitude
 
 
