@@ -204,7 +204,9 @@ def value_embed(table: torch.Tensor, ids: torch.Tensor, grad_buffer: torch.Tenso
 
     With `grad_buffer` (same shape as the table, e.g. the record's persistent fp16 [4·V, 768]) the
     backward adds into it in place and the table receives no gradient; without it the table gets a
-    dense gradient holding the same sums.
+    dense gradient holding the same sums. As for any autograd op, the backward runs only when the
+    table requires grad (the `value_embeds` parameter does). The Triton path needs no host sync
+    (sort, searchsorted and a fixed grid), so it can be captured in a CUDA graph.
     """
     if grad_buffer is not None and (grad_buffer.shape != table.shape or grad_buffer.device != table.device):
         raise ValueError(f"value_embed: grad_buffer must match the table's shape {tuple(table.shape)} and device "
