@@ -303,9 +303,12 @@ def environment(device: torch.device) -> dict:
     import triton
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+    from perf.backend import current
+
     return {"device": name, "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(),
-            "triton_interpret": os.environ.get("TRITON_INTERPRET", "0")}
+            "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
+            "backend": asdict(current())}  # what the model would run here (the checks call both paths directly)
 
 
 def run_checks(ctx: Context, names: list[str]) -> list[Result]:

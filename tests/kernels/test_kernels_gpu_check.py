@@ -58,6 +58,7 @@ def test_dry_run_writes_results(tmp_path):
     assert payload["dry_run"] and payload["all_passed"]
     env = payload["environment"]
     assert env["device"].startswith("CPU") and env["torch"] == torch.__version__ and env["triton"]
+    assert env["backend"]["device"] == "cpu" and env["triton_interpret"] == "1"
     assert {r["check"] for r in payload["results"]} == set(gc.CHECKS)
     assert all(r["passed"] for r in payload["results"])
     kernel_rows = [r for r in payload["results"] if r["check"] != "gpu_tests"]
