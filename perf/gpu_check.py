@@ -123,6 +123,11 @@ class Context:
                 times.append(1e3 * (time.perf_counter() - t0))
         return statistics.median(times)
 
+    def compare(self, check: str, case: str, error: float, tol: float, unit: str,
+                kernel: Callable[[], object], baseline: Callable[[], object]) -> Result:
+        """A result row for a parity error already measured, with the kernel and its torch baseline timed."""
+        return Result(check, case, error, tol, unit, kernel_ms=self.time_ms(kernel), torch_ms=self.time_ms(baseline))
+
     def peak_mib(self, fn: Callable[[], object]) -> float | None:
         """Peak CUDA memory allocated while fn() runs, in MiB (None on the CPU)."""
         if self.device.type != "cuda":
@@ -149,12 +154,16 @@ def register(name: str) -> Callable[[CheckFn], CheckFn]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Checks: the Triton kernels against their portable twins
+# Checks: the Triton kernels against their portable twins at record shapes
 
 
 def _fp32_sum_slack(terms: float, magnitude: float) -> float:
     """Bound on how far two fp32 summation orders of `terms` terms can disagree; magnitude >= Σ|term|."""
     return terms * 2.0**-24 * magnitude
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    return float(x.detach().float().abs().max())
 
 
 @register("symmetric_matmul")
@@ -169,19 +178,22 @@ def check_symmetric_matmul(ctx: Context) -> list[Result]:
     for bank, shape in chunks.items():
         gen = torch.Generator(device=ctx.device).manual_seed(0)
         X = torch.randn(shape, device=ctx.device, generator=gen)
-        X = (X / (1.05 * X.norm(dim=(-2, -1), keepdim=True))).bfloat16()  # the cascade's normalized input (§3 step 3)
+        X = (X / (1.05 * X.norm(dim=(-2, -1), keepdim=True))).bfloat16()  # normalized as in §3 step 3
         rows, cols = shape[1:]
-        kernel, twin, name = (sm.xtx_triton, sm.xtx_portable, "xtx") if rows > cols else (sm.xxt_triton, sm.xxt_portable, "xxt")
-        inner = rows if rows > cols else cols  # the summed dimension
-        slack = _fp32_sum_slack(inner, float(X.float().abs().max()) ** 2 * inner)
+        if rows > cols:  # the Gram the cascade takes: XᵀX for tall matrices, else XXᵀ
+            name, kernel, twin, summed = "xtx", sm.xtx_triton, sm.xtx_portable, rows
+        else:
+            name, kernel, twin, summed = "xxt", sm.xxt_triton, sm.xxt_portable, cols
         A = twin(X)
-        results.append(Result("symmetric_matmul", f"{name} {bank} {tuple(shape)}", ulp_distance(kernel(X), A, atol=slack),
-                              1.0, "ulp", ctx.time_ms(lambda: kernel(X)), ctx.time_ms(lambda: twin(X))))
+        slack = _fp32_sum_slack(summed, summed * _max_abs(X) ** 2)
+        results.append(ctx.compare("symmetric_matmul", f"{name} {bank} {tuple(shape)}",
+                                   ulp_distance(kernel(X), A, atol=slack), 1.0, "ulp",
+                                   lambda: kernel(X), lambda: twin(X)))
         m = A.shape[-1]
-        slack = _fp32_sum_slack(m, m * abs(c) * float(A.float().abs().max()) ** 2 + abs(b) * float(A.float().abs().max()))
-        results.append(Result("symmetric_matmul", f"poly {bank} {tuple(A.shape)}",
-                              ulp_distance(sm.poly_triton(A, b, c), sm.poly_portable(A, b, c), atol=slack), 1.0, "ulp",
-                              ctx.time_ms(lambda: sm.poly_triton(A, b, c)), ctx.time_ms(lambda: sm.poly_portable(A, b, c))))
+        slack = _fp32_sum_slack(m, m * abs(c) * _max_abs(A) ** 2 + abs(b) * _max_abs(A))
+        error = ulp_distance(sm.poly_triton(A, b, c), sm.poly_portable(A, b, c), atol=slack)
+        results.append(ctx.compare("symmetric_matmul", f"poly {bank} {tuple(A.shape)}", error, 1.0, "ulp",
+                                   lambda: sm.poly_triton(A, b, c), lambda: sm.poly_portable(A, b, c)))
     return results
 
 
@@ -193,19 +205,19 @@ def check_transpose(ctx: Context) -> list[Result]:
     gen = torch.Generator(device=ctx.device).manual_seed(0)
     lm_head = torch.randn((d, v), device=ctx.device, generator=gen).bfloat16()
     embed = torch.empty((v, d), device=ctx.device, dtype=torch.bfloat16)
-    expected = lm_head.T.contiguous()
     tr.transpose_into_triton(embed, lm_head)
-    copy_err = float((embed.float() - expected.float()).abs().max())
-    results = [Result("transpose", f"transpose_into embed<-lm_head ({v},{d})", copy_err, 0.0, "abs",
-                      ctx.time_ms(lambda: tr.transpose_into_triton(embed, lm_head)),
-                      ctx.time_ms(lambda: tr.transpose_into_portable(embed, lm_head)))]
+    copy_error = _max_abs(embed.float() - lm_head.T.float())
+    results = [ctx.compare("transpose", f"transpose_into embed<-lm_head ({v},{d})", copy_error, 0.0, "abs",
+                           lambda: tr.transpose_into_triton(embed, lm_head),
+                           lambda: tr.transpose_into_portable(embed, lm_head))]
     grad_embed = torch.randn((v, d), device=ctx.device, generator=gen).bfloat16()
     grad_head = torch.randn((d, v), device=ctx.device, generator=gen).bfloat16()
-    got, want = tr.transpose_add_triton_(grad_head.clone(), grad_embed), tr.transpose_add_portable_(grad_head.clone(), grad_embed)
-    scratch = grad_head.clone()  # timing accumulates into a scratch copy
-    results.append(Result("transpose", f"transpose_add_ lm_head_grad+=embed_grad^T ({d},{v})", ulp_distance(got, want), 1.0, "ulp",
-                          ctx.time_ms(lambda: tr.transpose_add_triton_(scratch, grad_embed)),
-                          ctx.time_ms(lambda: tr.transpose_add_portable_(scratch, grad_embed))))
+    error = ulp_distance(tr.transpose_add_triton_(grad_head.clone(), grad_embed),
+                         tr.transpose_add_portable_(grad_head.clone(), grad_embed))
+    scratch = grad_head.clone()  # the timed calls accumulate into a scratch copy
+    results.append(ctx.compare("transpose", f"transpose_add_ lm_head_grad+=embed_grad^T ({d},{v})", error, 1.0, "ulp",
+                               lambda: tr.transpose_add_triton_(scratch, grad_embed),
+                               lambda: tr.transpose_add_portable_(scratch, grad_embed)))
     return results
 
 
@@ -222,23 +234,22 @@ def check_value_embed(ctx: Context) -> list[Result]:
     vocab, dim, tokens = ctx.shape(record=(50304, 768, 49152), tiny=(50, 24, 30))
     gen = torch.Generator(device=ctx.device).manual_seed(0)
     table = (0.01 * torch.randn((4 * vocab, dim), device=ctx.device, generator=gen)).bfloat16()
-    tok = _zipf_like_ids(tokens, vocab, gen, ctx.device)
-    ids = (torch.arange(4, device=ctx.device)[:, None] * vocab + tok).reshape(-1)  # (4·T,) one row per plane
-    gather_err = float((ve.gather_rows_triton(table, ids).float() - ve.gather_rows_portable(table, ids).float()).abs().max())
-    results = [Result("value_embed", f"gather ({ids.numel()} of {4 * vocab}, {dim})", gather_err, 0.0, "abs",
-                      ctx.time_ms(lambda: ve.gather_rows_triton(table, ids)),
-                      ctx.time_ms(lambda: ve.gather_rows_portable(table, ids)))]
+    token_ids = _zipf_like_ids(tokens, vocab, gen, ctx.device)
+    ids = (torch.arange(4, device=ctx.device)[:, None] * vocab + token_ids).reshape(-1)  # (4·T,): each plane's row
+    error = _max_abs(ve.gather_rows_triton(table, ids).float() - ve.gather_rows_portable(table, ids).float())
+    results = [ctx.compare("value_embed", f"gather ({ids.numel()} of {4 * vocab}, {dim})", error, 0.0, "abs",
+                           lambda: ve.gather_rows_triton(table, ids), lambda: ve.gather_rows_portable(table, ids))]
     grad = torch.randn((ids.numel(), dim), device=ctx.device, generator=gen).bfloat16()
-    buffer = (0.1 * torch.randn((4 * vocab, dim), device=ctx.device, generator=gen)).half()  # the persistent fp16 buffer (modules §10.5)
-    got = ve.scatter_add_rows_triton_(buffer.clone(), ids, grad)
-    want = ve.scatter_add_rows_portable_(buffer.clone(), ids, grad)
+    # the persistent fp16 gradient buffer (modules §10.5)
+    buffer = (0.1 * torch.randn((4 * vocab, dim), device=ctx.device, generator=gen)).half()
     repeats = int(torch.bincount(ids).max())
-    slack = _fp32_sum_slack(repeats, repeats * float(grad.float().abs().max()))
-    scratch = buffer.clone()
-    results.append(Result("value_embed", f"scatter_add_ fp16 buffer ({ids.numel()} rows, {dim})",
-                          ulp_distance(got, want, atol=slack), 1.0, "ulp",
-                          ctx.time_ms(lambda: ve.scatter_add_rows_triton_(scratch, ids, grad)),
-                          ctx.time_ms(lambda: ve.scatter_add_rows_portable_(scratch, ids, grad))))
+    error = ulp_distance(ve.scatter_add_rows_triton_(buffer.clone(), ids, grad),
+                         ve.scatter_add_rows_portable_(buffer.clone(), ids, grad),
+                         atol=_fp32_sum_slack(repeats, repeats * _max_abs(grad)))
+    scratch = buffer.clone()  # the timed calls accumulate into a scratch copy
+    results.append(ctx.compare("value_embed", f"scatter_add_ fp16 buffer ({ids.numel()} rows, {dim})", error, 1.0, "ulp",
+                               lambda: ve.scatter_add_rows_triton_(scratch, ids, grad),
+                               lambda: ve.scatter_add_rows_portable_(scratch, ids, grad)))
     return results
 
 
@@ -254,16 +265,17 @@ def check_ngram_embed(ctx: Context) -> list[Result]:
     sign_rows = torch.randint(0, pool_rows, (2 * tokens,), device=ctx.device, generator=gen, dtype=torch.int32)
     grad = torch.randn((tokens, dim), device=ctx.device, generator=gen).bfloat16()
     out_k, out_t = ng.ngram_embed_triton(rows, pool, sign_rows), ng.ngram_embed_portable(rows, pool, sign_rows)
-    (d_k,) = torch.autograd.grad(out_k, rows, grad, retain_graph=True)
-    (d_t,) = torch.autograd.grad(out_t, rows, grad, retain_graph=True)
     with torch.no_grad():
-        results = [Result("ngram_embed", f"forward ({tokens},{dim})", ulp_distance(out_k, out_t), 1.0, "ulp",
-                          ctx.time_ms(lambda: ng.ngram_embed_triton(rows, pool, sign_rows)),
-                          ctx.time_ms(lambda: ng.ngram_embed_portable(rows, pool, sign_rows)))]
-    results.append(Result("ngram_embed", f"sink backward ({2 * tokens},{dim})", float((d_k.float() - d_t.float()).abs().max()),
-                          0.0, "abs",
-                          ctx.time_ms(lambda: torch.autograd.grad(out_k, rows, grad, retain_graph=True)),
-                          ctx.time_ms(lambda: torch.autograd.grad(out_t, rows, grad, retain_graph=True))))
+        results = [ctx.compare("ngram_embed", f"forward ({tokens},{dim})", ulp_distance(out_k, out_t), 1.0, "ulp",
+                               lambda: ng.ngram_embed_triton(rows, pool, sign_rows),
+                               lambda: ng.ngram_embed_portable(rows, pool, sign_rows))]
+
+    def sink_grad(out):
+        return torch.autograd.grad(out, rows, grad, retain_graph=True)[0]
+
+    error = _max_abs(sink_grad(out_k).float() - sink_grad(out_t).float())
+    results.append(ctx.compare("ngram_embed", f"sink backward ({2 * tokens},{dim})", error, 0.0, "abs",
+                               lambda: sink_grad(out_k), lambda: sink_grad(out_t)))
     return results
 
 
