@@ -1,0 +1,403 @@
+"""The one script a lent H100/H200 runs: every registered check's parity and speed, in one table.
+
+Each kernel check runs a fast-path kernel and its portable twin at record shapes, reports the
+largest parity error against the check's tolerance, and times both with CUDA events (median of
+repeats); the ratio is torch time / kernel time (> 1: the kernel is faster). The `gpu_tests` check
+runs the pytest tests marked `gpu` (CI skips them). The table is printed with the device and
+library versions in its header and written as results.json and results.md.
+
+    python perf/gpu_check.py                      # on the GPU machine; must finish well under 8 minutes
+    python perf/gpu_check.py --only transpose     # checks whose name starts with a prefix
+    python perf/gpu_check.py --dry-run --out /tmp/check   # CPU, tiny shapes, Triton interpreter: the plumbing
+
+`--out` defaults to $OUT when set, else perf/results/. The exit status is 1 if any parity fails.
+
+Adding a check (a later kernel, a model step): write `def check_x(ctx: Context) -> list[Result]`
+decorated with `@register("x")` in this file or in any module imported before `main()` runs. Use
+`ctx.shape(record=..., tiny=...)` for sizes, `ctx.time_ms(fn)` for timings and `ctx.peak_mib(fn)`
+for memory; the runner, the table and the files need no change.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+# ------------------------------------------------------------------------------------------------
+# Parity measure shared by the checks (and the tests)
+
+
+def ulp_distance(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None,
+                 atol: float = 0.0) -> float:
+    """Largest |actual - expected| beyond `atol`, in units of `dtype`'s ulp at max(|actual|, |expected|).
+
+    dtype defaults to expected's. A kernel that rounds (or, in Triton's interpreter, truncates) the
+    same fp32 value as its twin lands within 1 ulp; `atol` absorbs the fp32 reordering error of
+    sums that cancel to almost nothing, where ulps shrink without bound.
+    """
+    dtype = dtype or expected.dtype
+    if actual.shape != expected.shape:
+        raise ValueError(f"ulp_distance: shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    a, e = actual.detach().double(), expected.detach().double()
+    info = torch.finfo(dtype)
+    magnitude = torch.maximum(a.abs(), e.abs()).clamp_min(info.tiny)
+    _, exponent = torch.frexp(magnitude)  # magnitude = m·2^exponent with m in [0.5, 1)
+    ulp = info.eps * torch.ldexp(torch.ones_like(magnitude), exponent - 1)
+    excess = ((a - e).abs() - atol).clamp_min(0.0)
+    return float((excess / ulp).max()) if excess.numel() else 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Results, context and registry
+
+
+@dataclass
+class Result:
+    check: str  # registry name
+    case: str  # what was run, e.g. "xxt qk (6,256,768)"
+    error: float  # parity error in `unit`
+    tol: float
+    unit: str  # "ulp" (of the output dtype) or "abs"
+    kernel_ms: float | None = None
+    torch_ms: float | None = None
+    peak_mib: float | None = None
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tol
+
+    @property
+    def ratio(self) -> float | None:
+        if self.kernel_ms is None or self.torch_ms is None or self.kernel_ms <= 0:
+            return None
+        return self.torch_ms / self.kernel_ms
+
+
+@dataclass
+class Context:
+    device: torch.device
+    dry_run: bool
+    repeats: int = 20
+    warmup: int = 3
+
+    def shape(self, record, tiny):
+        """The record shape on a GPU, the tiny one in a dry run."""
+        return tiny if self.dry_run else record
+
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        """Median milliseconds of fn(): CUDA events on a GPU, perf_counter on the CPU (dry run: one repeat)."""
+        repeats, warmup = (1, 1) if self.dry_run else (self.repeats, self.warmup)
+        for _ in range(warmup):
+            fn()
+        times = []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+        else:
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    def compare(self, check: str, case: str, error: float, tol: float, unit: str,
+                kernel: Callable[[], object], baseline: Callable[[], object]) -> Result:
+        """A result row for a parity error already measured, with the kernel and its torch baseline timed."""
+        return Result(check, case, error, tol, unit, kernel_ms=self.time_ms(kernel), torch_ms=self.time_ms(baseline))
+
+    def peak_mib(self, fn: Callable[[], object]) -> float | None:
+        """Peak CUDA memory allocated while fn() runs, in MiB (None on the CPU)."""
+        if self.device.type != "cuda":
+            fn()
+            return None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        fn()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) / 2**20
+
+
+CheckFn = Callable[[Context], "list[Result]"]
+CHECKS: dict[str, CheckFn] = {}
+
+
+def register(name: str) -> Callable[[CheckFn], CheckFn]:
+    def add(fn: CheckFn) -> CheckFn:
+        if name in CHECKS:
+            raise ValueError(f"gpu_check: a check named {name!r} is already registered")
+        CHECKS[name] = fn
+        return fn
+    return add
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks: the Triton kernels against their portable twins at record shapes
+
+
+def _fp32_sum_slack(terms: float, magnitude: float) -> float:
+    """Bound on how far two fp32 summation orders of `terms` terms can disagree; magnitude >= Σ|term|."""
+    return terms * 2.0**-24 * magnitude
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    return float(x.detach().float().abs().max())
+
+
+@register("symmetric_matmul")
+def check_symmetric_matmul(ctx: Context) -> list[Result]:
+    from perf.kernels import symmetric_matmul as sm
+
+    # per-rank ANVIL bank chunks (record #360 §3): (matrices, rows, cols)
+    chunks = ctx.shape(record={"qk": (6, 256, 768), "vo": (2, 768, 768), "mlp": (3, 2816, 768)},
+                       tiny={"qk": (2, 24, 40), "vo": (1, 40, 40), "mlp": (2, 72, 40)})
+    b, c = -6.095026865488, 3.905234618423  # record #360 §3: the first ANVIL map's (b, c)
+    results = []
+    for bank, shape in chunks.items():
+        gen = torch.Generator(device=ctx.device).manual_seed(0)
+        X = torch.randn(shape, device=ctx.device, generator=gen)
+        X = (X / (1.05 * X.norm(dim=(-2, -1), keepdim=True))).bfloat16()  # normalized as in §3 step 3
+        rows, cols = shape[1:]
+        if rows > cols:  # the Gram the cascade takes: XᵀX for tall matrices, else XXᵀ
+            name, kernel, twin, summed = "xtx", sm.xtx_triton, sm.xtx_portable, rows
+        else:
+            name, kernel, twin, summed = "xxt", sm.xxt_triton, sm.xxt_portable, cols
+        A = twin(X)
+        slack = _fp32_sum_slack(summed, summed * _max_abs(X) ** 2)
+        results.append(ctx.compare("symmetric_matmul", f"{name} {bank} {tuple(shape)}",
+                                   ulp_distance(kernel(X), A, atol=slack), 1.0, "ulp",
+                                   lambda: kernel(X), lambda: twin(X)))
+        m = A.shape[-1]
+        slack = _fp32_sum_slack(m, m * abs(c) * _max_abs(A) ** 2 + abs(b) * _max_abs(A))
+        error = ulp_distance(sm.poly_triton(A, b, c), sm.poly_portable(A, b, c), atol=slack)
+        results.append(ctx.compare("symmetric_matmul", f"poly {bank} {tuple(A.shape)}", error, 1.0, "ulp",
+                                   lambda: sm.poly_triton(A, b, c), lambda: sm.poly_portable(A, b, c)))
+    return results
+
+
+@register("transpose")
+def check_transpose(ctx: Context) -> list[Result]:
+    from perf.kernels import transpose as tr
+
+    d, v = ctx.shape(record=(768, 50304), tiny=(40, 100))  # lm_head stored [768, V] (record #360 §2.2)
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    lm_head = torch.randn((d, v), device=ctx.device, generator=gen).bfloat16()
+    embed = torch.empty((v, d), device=ctx.device, dtype=torch.bfloat16)
+    tr.transpose_into_triton(embed, lm_head)
+    copy_error = _max_abs(embed.float() - lm_head.T.float())
+    results = [ctx.compare("transpose", f"transpose_into embed<-lm_head ({v},{d})", copy_error, 0.0, "abs",
+                           lambda: tr.transpose_into_triton(embed, lm_head),
+                           lambda: tr.transpose_into_portable(embed, lm_head))]
+    grad_embed = torch.randn((v, d), device=ctx.device, generator=gen).bfloat16()
+    grad_head = torch.randn((d, v), device=ctx.device, generator=gen).bfloat16()
+    error = ulp_distance(tr.transpose_add_triton_(grad_head.clone(), grad_embed),
+                         tr.transpose_add_portable_(grad_head.clone(), grad_embed))
+    scratch = grad_head.clone()  # the timed calls accumulate into a scratch copy
+    results.append(ctx.compare("transpose", f"transpose_add_ lm_head_grad+=embed_grad^T ({d},{v})", error, 1.0, "ulp",
+                               lambda: tr.transpose_add_triton_(scratch, grad_embed),
+                               lambda: tr.transpose_add_portable_(scratch, grad_embed)))
+    return results
+
+
+def _zipf_like_ids(n: int, vocab: int, gen: torch.Generator, device) -> torch.Tensor:
+    """Token ids with a heavy head (the commonest id ~7% of tokens), like real text: stresses duplicate rows."""
+    return (vocab * torch.rand(n, generator=gen, device=device) ** 4).long().clamp_max(vocab - 1)
+
+
+@register("value_embed")
+def check_value_embed(ctx: Context) -> list[Result]:
+    from perf.kernels import value_embed as ve
+
+    # record #360 §2.2: value_embeds [4·50304, 768]; stage 2 runs 49,152 tokens per rank (§6.2)
+    vocab, dim, tokens = ctx.shape(record=(50304, 768, 49152), tiny=(50, 24, 30))
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    table = (0.01 * torch.randn((4 * vocab, dim), device=ctx.device, generator=gen)).bfloat16()
+    token_ids = _zipf_like_ids(tokens, vocab, gen, ctx.device)
+    ids = (torch.arange(4, device=ctx.device)[:, None] * vocab + token_ids).reshape(-1)  # (4·T,): each plane's row
+    error = _max_abs(ve.gather_rows_triton(table, ids).float() - ve.gather_rows_portable(table, ids).float())
+    results = [ctx.compare("value_embed", f"gather ({ids.numel()} of {4 * vocab}, {dim})", error, 0.0, "abs",
+                           lambda: ve.gather_rows_triton(table, ids), lambda: ve.gather_rows_portable(table, ids))]
+    grad = torch.randn((ids.numel(), dim), device=ctx.device, generator=gen).bfloat16()
+    # the persistent fp16 gradient buffer (modules §10.5)
+    buffer = (0.1 * torch.randn((4 * vocab, dim), device=ctx.device, generator=gen)).half()
+    repeats = int(torch.bincount(ids).max())
+    error = ulp_distance(ve.scatter_add_rows_triton_(buffer.clone(), ids, grad),
+                         ve.scatter_add_rows_portable_(buffer.clone(), ids, grad),
+                         atol=_fp32_sum_slack(repeats, repeats * _max_abs(grad)))
+    scratch = buffer.clone()  # the timed calls accumulate into a scratch copy
+    results.append(ctx.compare("value_embed", f"scatter_add_ fp16 buffer ({ids.numel()} rows, {dim})", error, 1.0, "ulp",
+                               lambda: ve.scatter_add_rows_triton_(scratch, ids, grad),
+                               lambda: ve.scatter_add_rows_portable_(scratch, ids, grad)))
+    return results
+
+
+@register("ngram_embed")
+def check_ngram_embed(ctx: Context) -> list[Result]:
+    from perf.kernels import ngram_embed as ng
+
+    # 49,152 tokens per rank (record #360 §6.2), dim 768, sign pool 8192 rows (modules §4.3)
+    tokens, dim, pool_rows = ctx.shape(record=(49152, 768, 8192), tiny=(13, 24, 16))
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    rows = torch.randn((2 * tokens, dim), device=ctx.device, generator=gen).bfloat16().requires_grad_()
+    pool = torch.randn((pool_rows, dim), device=ctx.device, generator=gen).sign().bfloat16()
+    sign_rows = torch.randint(0, pool_rows, (2 * tokens,), device=ctx.device, generator=gen, dtype=torch.int32)
+    grad = torch.randn((tokens, dim), device=ctx.device, generator=gen).bfloat16()
+    out_k, out_t = ng.ngram_embed_triton(rows, pool, sign_rows), ng.ngram_embed_portable(rows, pool, sign_rows)
+    with torch.no_grad():
+        results = [ctx.compare("ngram_embed", f"forward ({tokens},{dim})", ulp_distance(out_k, out_t), 1.0, "ulp",
+                               lambda: ng.ngram_embed_triton(rows, pool, sign_rows),
+                               lambda: ng.ngram_embed_portable(rows, pool, sign_rows))]
+
+    def sink_grad(out):
+        return torch.autograd.grad(out, rows, grad, retain_graph=True)[0]
+
+    error = _max_abs(sink_grad(out_k).float() - sink_grad(out_t).float())
+    results.append(ctx.compare("ngram_embed", f"sink backward ({2 * tokens},{dim})", error, 0.0, "abs",
+                               lambda: sink_grad(out_k), lambda: sink_grad(out_t)))
+    return results
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GPU_TESTS_TIMEOUT_S = 240  # keeps the whole script inside its 8-minute budget
+
+
+@register("gpu_tests")
+def check_gpu_tests(ctx: Context) -> list[Result]:
+    """The pytest tests marked `gpu` (skipped in CI) run here; a dry run only collects them."""
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+    if ctx.dry_run:
+        cmd.append("--collect-only")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=GPU_TESTS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return [Result("gpu_tests", "pytest -m gpu", float("inf"), 0.0, "tests", note=f"timed out after {GPU_TESTS_TIMEOUT_S} s")]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    summary = lines[-1].strip("= ") if lines else proc.stderr.strip()[-200:]
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected|selected|collected)", summary)}
+    # pytest exits 0 (all passed), 1 (failures) or 5 (nothing selected); anything else broke the run itself
+    broken = proc.returncode not in (0, 1, 5)
+    failures = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0) + (1 if broken else 0)
+    if broken:
+        traceback_tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+        summary += " | " + " / ".join(traceback_tail)
+    return [Result("gpu_tests", "pytest -m gpu" + (" --collect-only" if ctx.dry_run else ""), float(failures), 0.0,
+                   "failed", note=f"{summary} ({time.perf_counter() - t0:.0f} s)")]
+
+
+# ------------------------------------------------------------------------------------------------
+# Runner, table, files
+
+
+def environment(device: torch.device) -> dict:
+    import triton
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+    from perf.backend import current
+
+    return {"device": name, "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(),
+            "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
+            "backend": asdict(current())}  # what the model would run here (the checks call both paths directly)
+
+
+def run_checks(ctx: Context, names: list[str]) -> list[Result]:
+    """Run the named checks in order; a check that raises becomes one failed row naming the error."""
+    results = []
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            rows = CHECKS[name](ctx)
+        except Exception as exc:  # one broken check must not hide the others' numbers
+            traceback.print_exc()
+            rows = [Result(name, "raised", float("inf"), 0.0, "-", note=f"{type(exc).__name__}: {exc}")]
+        results.extend(rows)
+        print(f"[gpu_check] {name}: {len(rows)} case(s) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return results
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table_lines(env: dict, results: list[Result], dry_run: bool) -> list[str]:
+    header = (f"device: {env['device']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']}"
+              + (" | DRY RUN (CPU, interpreter, tiny shapes: times are not kernel speeds)" if dry_run else ""))
+    lines = [header, "",
+             "| check | case | parity | tol | pass | kernel ms | torch ms | torch/kernel | peak MiB | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.check} | {r.case} | {r.error:.3g} {r.unit} | {r.tol:g} | {'yes' if r.passed else 'NO'} | "
+                     f"{_fmt(r.kernel_ms, '.3f')} | {_fmt(r.torch_ms, '.3f')} | {_fmt(r.ratio, '.2f')} | "
+                     f"{_fmt(r.peak_mib, '.0f')} | {r.note} |")
+    return lines
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_results(out_dir: Path, env: dict, results: list[Result], dry_run: bool) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"environment": env, "dry_run": dry_run, "all_passed": all(r.passed for r in results),
+               "results": [{**asdict(r), "passed": r.passed, "ratio": r.ratio} for r in results]}
+    _write_atomic(out_dir / "results.json", json.dumps(payload, indent=2, allow_nan=True) + "\n")
+    _write_atomic(out_dir / "results.md", "# perf/gpu_check.py\n\n" + "\n".join(table_lines(env, results, dry_run)) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default_out = os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", default=default_out, help="folder for results.json and results.md (default: $OUT, else perf/results)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter: check the plumbing")
+    parser.add_argument("--only", nargs="*", default=None, help="run only checks whose name starts with one of these")
+    args = parser.parse_args(argv)
+
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # read by @triton.jit when the kernel modules are imported
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        parser.error("no CUDA device: run on the GPU machine, or use --dry-run on a CPU")
+    else:
+        device = torch.device("cuda")
+    names = [n for n in CHECKS if args.only is None or any(n.startswith(p) for p in args.only)]
+    if not names:
+        parser.error(f"--only {args.only} matches no check; registered: {', '.join(CHECKS)}")
+
+    env = environment(device)
+    t0 = time.perf_counter()
+    results = run_checks(Context(device=device, dry_run=args.dry_run), names)
+    env["wall_s"] = round(time.perf_counter() - t0, 1)
+    print("\n".join(table_lines(env, results, args.dry_run)))
+    write_results(Path(args.out), env, results, args.dry_run)
+    print(f"\nwrote {Path(args.out) / 'results.json'} and results.md ({env['wall_s']} s)")
+    return 0 if all(r.passed for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
