@@ -1,0 +1,132 @@
+"""The output head and losses of record #360: softcapped cross-entropy with multi-token prediction,
+the prefix-token auxiliary term, the sampled (candidate-set) softmax, and the validation loss.
+
+Softcap: z = 23·σ((ℓ + 5)/7.5). Training loss of token t (record #360 modules §5.2), summed over
+the rank's tokens (not averaged):
+    L_t = Σ_k [t+k < T]·w_k·(lse_t − z_t[y_{t+k}]) + [p_t ≥ 0]·w_p·(lse_t − z_t[p_t])
+with the MTP weights w_k, p_t = prefix_table[y_t] and lse over the full vocabulary or over the
+step's candidate set C. MTP targets are the following rows' next-token targets, with no masking at
+document ends. In training the logits come from the fp8 lm_head (perf/fp8.py); validation uses
+bf16 logits and a softcap in bf16, then a plain fp32 cross-entropy averaged over tokens.
+
+This portable form computes z in fp32 and gets the logit gradient from autograd; the fused CE
+kernel of the record caches σ in fp16 and sums all MTP weights into its softmax term even on the
+last K−1 rows (a quirk on <= 2 rows per rank), which the fast path's parity test must tolerate.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from perf.fp8 import fp8_lm_head
+
+SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5  # record #360: z = 23·σ((ℓ + 5)/7.5)
+LM_HEAD_INIT_STD = 0.005  # record #360
+SAMPLED_SWEEP_STRIDE = 20011  # record #360: negatives follow k ↦ 20011·k mod V (coprime to 50304)
+SAMPLED_DRAW_FACTOR, SAMPLED_DRAW_EXTRA = 1.7, 256  # record #360: a sweep window of 1.7·need + 256
+
+
+class TransposedLinear(nn.Module):
+    """lm_head with its weight stored transposed, [in, out] = [D, V] (record #360's CastedLinearT)."""
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.weight
+
+
+def softcap(logits: Tensor) -> Tensor:
+    return SOFTCAP_A * torch.sigmoid((logits + SOFTCAP_B) / SOFTCAP_C)
+
+
+def softcapped_loss_sum(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
+                        prefix_weight) -> Tensor:
+    """Σ_t L_t for logits [T, N] and targets (class positions in [0, N), others skipped) [T]."""
+    T, N = logits.shape
+    z = softcap(logits.float())
+    lse = torch.logsumexp(z, dim=-1)  # (T,)
+    rows = torch.arange(T, device=z.device)
+    total = z.new_zeros(())
+    for k in range(len(mtp_weights)):
+        t, y = rows[: T - k], targets[k:]
+        valid = (y >= 0) & (y < N)
+        nll = lse[t] - z[t, y.clamp(0, N - 1)]
+        total = total + mtp_weights[k] * torch.where(valid, nll, 0.0).sum()
+    if prefix_targets is not None:
+        valid = (prefix_targets >= 0) & (prefix_targets < N)
+        nll = lse - z[rows, prefix_targets.clamp(0, N - 1)]
+        total = total + prefix_weight * torch.where(valid, nll, 0.0).sum()
+    return total
+
+
+def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
+                  prefix_weight, candidates: Tensor | None = None, fp8: bool = True) -> Tensor:
+    """Summed training loss of the final normed rows x [T, D] (fp8 lm_head unless fp8=False).
+
+    candidates: the step's sorted class ids C (int64 [P]) for the sampled softmax, or None for the
+    full softmax. Every target must be in C; a prefix class outside C drops that prefix term.
+    """
+    V = lm_head_w.shape[1]
+    if candidates is not None:
+        position = torch.full((V + 1,), -1, dtype=torch.long, device=x.device)  # entry V: "no prefix"
+        position[candidates] = torch.arange(candidates.numel(), device=x.device)
+        targets = position[targets]
+        if bool((targets < 0).any()):
+            raise ValueError("training_loss: every target must be in the candidate set")
+        if prefix_targets is not None:
+            prefix_targets = position[torch.where(prefix_targets >= 0, prefix_targets, V)]
+    if fp8:
+        logits = fp8_lm_head(x, lm_head_w, candidates)
+    else:
+        w = lm_head_w if candidates is None else lm_head_w[:, candidates]
+        logits = (x @ w).float()
+    return softcapped_loss_sum(logits, targets, mtp_weights, prefix_targets, prefix_weight)
+
+
+def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token CE over the full vocabulary: bf16 logits and softcap, fp32 cross-entropy."""
+    z = softcap(x @ lm_head_w).float()  # softcap in the logits' dtype, then upcast
+    return F.cross_entropy(z, targets)
+
+
+class CandidateSampler:
+    """The sampled softmax's candidate sets (record #360 modules §3.2): no RNG, one set per step.
+
+    Every class that occurs as a target is in; the remaining P − U slots are negatives from a
+    stride sweep over the vocabulary, each rank starting at its own offset V·rank/world_size.
+    """
+
+    def __init__(self, vocab_size: int, rank: int = 0, world_size: int = 1):
+        self.vocab_size = vocab_size
+        sweep = (SAMPLED_SWEEP_STRIDE * torch.arange(vocab_size, dtype=torch.long)) % vocab_size
+        if torch.unique(sweep).numel() != vocab_size:
+            raise ValueError(f"CandidateSampler: stride {SAMPLED_SWEEP_STRIDE} is not coprime to V={vocab_size}")
+        self.sweep = torch.cat([sweep, sweep])  # twice, so every window is one slice
+        self.rank, self.world_size = rank, world_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.offset = self.vocab_size * self.rank // self.world_size
+
+    def candidates(self, targets: Tensor, num_candidates: int) -> Tensor:
+        """Sorted class ids C, int64 [P], for the rank's targets (host tensors)."""
+        V, P = self.vocab_size, num_candidates
+        marked = torch.zeros(V, dtype=torch.bool)
+        marked[targets.long().cpu()] = True
+        need = P - int(marked.sum())
+        if need < 0:
+            raise ValueError(f"CandidateSampler: {P} candidates cannot hold {P - need} distinct targets")
+        if need > 0:
+            draw = min(V, int(need * SAMPLED_DRAW_FACTOR) + SAMPLED_DRAW_EXTRA)
+            window = self.sweep[self.offset: self.offset + draw]
+            self.offset = (self.offset + draw) % V
+            fresh = window[~marked[window]]
+            if fresh.numel() >= need:
+                marked[fresh[:need]] = True
+            else:  # evenly spaced over every unmarked class
+                free = (~marked).nonzero().squeeze(1)
+                marked[free[:: free.numel() // need][:need]] = True
+        return marked.nonzero().squeeze(1)
