@@ -87,7 +87,7 @@ def test_capacity_on_a_repeated_text(tiny_shakespeare_path):
     text = tiny_shakespeare_path.read_text()[:400]
     ids = torch.tensor(tiktoken.get_encoding("gpt2").encode(text))
     _, compact = torch.unique(ids, return_inverse=True)  # a small vocabulary keeps Adam cheap
-    T = 64
+    T = 48
     cfg = dataclasses.replace(SMOKE, vocab_size=256, ngram_rows=1024)
     torch.manual_seed(0)
     model = GPT(cfg, dtype=torch.float32)
@@ -96,7 +96,7 @@ def test_capacity_on_a_repeated_text(tiny_shakespeare_path):
     rows, signs = torch.zeros(2 * T, cfg.model_dim), torch.zeros(2 * T, dtype=torch.int32)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
     losses = []
-    for _ in range(120):
+    for _ in range(100):
         model.refresh_fp8()
         loss = model(inputs, targets, cu, rows, signs, StepArgs()) / T
         opt.zero_grad()
@@ -104,7 +104,7 @@ def test_capacity_on_a_repeated_text(tiny_shakespeare_path):
         opt.step()
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(256), rel=0.05)
-    assert losses[-1] < 0.05 * losses[0]
+    assert losses[-1] < 0.1 * losses[0]
 
 
 def test_bad_inputs_are_rejected():
