@@ -54,6 +54,16 @@ def ngram_sign_pool(cfg: ModelConfig, generator: torch.Generator | None = None, 
     return torch.where(draw >= 0, 1.0, -1.0).to(torch.bfloat16)
 
 
+def ngram_shard_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Contiguous rows [lo, hi) of the n-gram table owned by `rank` of `world_size`."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"n-gram table: rank {rank} is outside world size {world_size}")
+    if num_rows % world_size:
+        raise ValueError(f"n-gram table: {num_rows} rows do not shard evenly over {world_size} ranks")
+    per_rank = num_rows // world_size
+    return rank * per_rank, (rank + 1) * per_rank
+
+
 class NgramTable:
     """This rank's contiguous shard of the hashed n-gram table (bf16, zero-initialized).
 
@@ -73,12 +83,8 @@ class NgramTable:
         return self.num_rows // 2
 
     def owned_range(self, rank: int, world_size: int) -> tuple[int, int]:
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"NgramTable: rank {rank} is outside world size {world_size}")
-        if self.num_rows % world_size:
-            raise ValueError(f"NgramTable: {self.num_rows} rows do not shard evenly over {world_size} ranks")
-        per_rank = self.num_rows // world_size
-        return rank * per_rank, (rank + 1) * per_rank
+        """Rows [lo, hi) that `rank` of `world_size` owns."""
+        return ngram_shard_range(self.num_rows, rank, world_size)
 
     def lookup(self, row_ids: Tensor) -> Tensor:
         """Rows of this shard by global row id: [N, D]; ids outside the shard are an error."""
