@@ -22,9 +22,13 @@ NUM_VALUE_EMBED_PLANES = 4  # record #360: planes for layers (1, 2, 8, 10)
 
 
 def value_embeddings(value_embeds: Tensor, inputs: Tensor, vocab_size: int) -> list[Tensor]:
-    """The planes' rows for the batch's tokens: NUM_VALUE_EMBED_PLANES × (T, D)."""
-    planes = value_embeds.view(NUM_VALUE_EMBED_PLANES, vocab_size, -1)
-    return [F.embedding(inputs, planes[p]) for p in range(NUM_VALUE_EMBED_PLANES)]
+    """The planes' rows for the batch's tokens: NUM_VALUE_EMBED_PLANES × (T, D).
+
+    One gather over the flat table (row p·V + id), so the backward builds one dense gradient.
+    """
+    offsets = vocab_size * torch.arange(NUM_VALUE_EMBED_PLANES, device=inputs.device)
+    rows = F.embedding(inputs.long()[None, :] + offsets[:, None], value_embeds)  # (4, T, D)
+    return list(rows.unbind(0))
 
 
 def smear(x: Tensor, gate_w: Tensor, smear_lambda: Tensor) -> Tensor:
