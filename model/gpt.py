@@ -175,17 +175,25 @@ class GPT(nn.Module):
             for table in (self.yarn, self.yarn_paired):
                 table.rescale(old[0] * WINDOW_BLOCK, new[0] * WINDOW_BLOCK)
 
-    # --- weights of one attention layer, cut from the banks -----------------------------------------
-    def attn_weights(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        """(qk_w [2·H·d_qk, D], v_w [H·d_v, D], o_w [D, H·d_v]) of an attention layer."""
+    # --- layer weights, cut from the banks once per forward ---------------------------------------
+    def attn_weights(self) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+        """Per attention layer (qk_w [2·H·d_qk, D], v_w [H·d_v, D], o_w [D, H·d_v]).
+
+        Each bank is unbound once, so its backward assembles one gradient instead of one
+        zero-filled bank per slice.
+        """
         H, hd, D = self.cfg.num_heads, self.cfg.head_dim, self.cfg.model_dim
-        j = ATTN_BANK_ORDER.index(layer)
-        dq, dv = attn_widths(layer, self.cfg)
-        qk_heads = self.qk_bank[j * H: (j + 1) * H].reshape(2 * H, hd, D)  # Q0..Q5, K0..K5
-        qk_w = qk_heads[:, :dq].reshape(2 * H * dq, D)
-        v_w = self.vo_bank[2 * j].view(H, hd, D)[:, :dv].reshape(H * dv, D)
-        o_w = self.vo_bank[2 * j + 1].view(D, H, hd)[:, :, :dv].reshape(D, H * dv)
-        return qk_w, v_w, o_w
+        n = len(ATTN_BANK_ORDER)
+        qk_slots = self.qk_bank[: n * H].view(n, 2 * H, hd, D).unbind(0)  # heads Q0..Q5, K0..K5
+        vo_slots = self.vo_bank[: 2 * n].view(n, 2, D, D).unbind(0)  # (V, O) per slot
+        weights = {}
+        for j, layer in enumerate(ATTN_BANK_ORDER):
+            dq, dv = attn_widths(layer, self.cfg)
+            v, o = vo_slots[j].unbind(0)
+            weights[layer] = (qk_slots[j][:, :dq].reshape(2 * H * dq, D),
+                              v.view(H, hd, D)[:, :dv].reshape(H * dv, D),
+                              o.view(D, H, hd)[:, :, :dv].reshape(D, H * dv))
+        return weights
 
     # --- residual products: fused (record #360) or plain -------------------------------------------
     def _scale(self, r: Tensor, x: Tensor) -> Tensor:
@@ -219,6 +227,8 @@ class GPT(nn.Module):
         ngram = ngram_embedding(ngram_rows, ngram_sign_rows, self.ngram_sign_pool).to(dt)  # (T, D)
         ve = value_embeddings(self.value_embeds, inputs, cfg.vocab_size)  # 4 × (T, D)
         ve_of_layer = dict(zip(VALUE_EMBED_LAYERS, ve))
+        attn_w = self.attn_weights()
+        mlp_w = [slot.unbind(0) for slot in self.mlp_bank.unbind(0)]  # 12 × (c_fc, c_proj)
         x = smear(x, self.smear_gate.weight, self.scalars[SMEAR_LAMBDA_INDEX])
         x0 = norm(x)
         gates = self.mudd_gate_w1, self.mudd_gate_w2, self.mudd_gate_b2
@@ -248,8 +258,9 @@ class GPT(nn.Module):
                 v_mudd = mu[0] * cache[0] + mu[1] * cache[7] + mu[2] * x
                 x = (1 + mu[5]) * x + mu[3] * cache[0] + mu[4] * cache[7]
             if i in ATTN_LAYERS:
-                if 7 in cache:
-                    late_input = late_input or self._norm_with_head(cache[7])
+                if 7 in cache:  # layers 8 and 10 share one norm(cache[7])
+                    if late_input is None:
+                        late_input = self._norm_with_head(cache[7])
                     a, a_head = late_input
                 elif i in VALUE_EMBED_GATE_LAYERS:
                     a, a_head = self._norm_with_head(x)
@@ -273,7 +284,7 @@ class GPT(nn.Module):
                     yarn=self.yarn_wide if long else (self.yarn_paired if i in PAIRED_HEAD_LAYERS else self.yarn),
                     key_offset=long, attn_gate=attn_gate.get(i), aux_v=aux_v, xsa_alpha=xsa.get(i),
                     o_gain=p_attn[i] if fold_o_gain else None)
-                out = self.attn[str(i)](a, *self.attn_weights(i), args)  # (T, D)
+                out = self.attn[str(i)](a, *attn_w[i], args)  # (T, D)
                 if i == MUDD_LAYER:
                     x = mu[8] * x + mu[9] * out + mu[10] * cache[0]
                     x = x + mu[11] * ngram
@@ -299,16 +310,16 @@ class GPT(nn.Module):
                 m8 = fp8_state.quantize_input(m) if fp8_state is not None else None
                 if i == MUDD_LAYER:
                     mlp_input_last = m
-                    x = mu[12] * x + mu[13] * mlp_slot_output(m, self.mlp_bank, i, fp8_state, None, m8)
+                    x = mu[12] * x + mu[13] * mlp_slot_output(m, mlp_w, i, fp8_state, None, m8)
                 elif fp8_state is not None and self.fused_residuals:  # post λ folded into the fp8 scale
-                    x = scale(r_mlp[i], x) + mlp_slot_output(m, self.mlp_bank, i, fp8_state, p_mlp[i], m8)
+                    x = scale(r_mlp[i], x) + mlp_slot_output(m, mlp_w, i, fp8_state, p_mlp[i], m8)
                 else:
-                    x = self._scale_add(r_mlp[i], x, p_mlp[i], mlp_slot_output(m, self.mlp_bank, i, fp8_state, None, m8))
+                    x = self._scale_add(r_mlp[i], x, p_mlp[i], mlp_slot_output(m, mlp_w, i, fp8_state, None, m8))
                 if i == PARALLEL_MLP_LAYER:  # same input, same post λ, bank slot 11
                     if fp8_state is not None and self.fused_residuals:
-                        x = x + mlp_slot_output(m, self.mlp_bank, PARALLEL_MLP_SLOT, fp8_state, p_mlp[i], m8)
+                        x = x + mlp_slot_output(m, mlp_w, PARALLEL_MLP_SLOT, fp8_state, p_mlp[i], m8)
                     else:
-                        par = mlp_slot_output(m, self.mlp_bank, PARALLEL_MLP_SLOT, fp8_state, None, m8)
+                        par = mlp_slot_output(m, mlp_w, PARALLEL_MLP_SLOT, fp8_state, None, m8)
                         x = x + self._scale(p_mlp[i], par)
             if i in CACHE_LAYERS:
                 cache[i] = x

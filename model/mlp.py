@@ -16,10 +16,13 @@ FROZEN_MLP_SLOT = 7  # record #360: layer 7 has no MLP; its slot never runs (per
 PARALLEL_MLP_LAYER, PARALLEL_MLP_SLOT = 8, 11  # record #360: a second MLP on layer 8's input
 
 
-def mlp_slot_output(m: Tensor, mlp_bank: Tensor, slot: int, fp8_state: Fp8MLPState | None,
-                    fold_p: Tensor | None = None, m8: Tensor | None = None) -> Tensor:
-    """MLP of bank slot `slot` on the normed input m [T, D]: fp8 (p·MLP if fold_p) or bf16 (MLP)."""
-    w1, w2 = mlp_bank[slot, 0], mlp_bank[slot, 1]  # (H, D) each
+def mlp_slot_output(m: Tensor, mlp_weights: list[tuple[Tensor, Tensor]], slot: int,
+                    fp8_state: Fp8MLPState | None, fold_p: Tensor | None = None, m8: Tensor | None = None) -> Tensor:
+    """MLP of bank slot `slot` on the normed input m [T, D]: fp8 (p·MLP if fold_p) or bf16 (MLP).
+
+    mlp_weights: the bank's (c_fc, c_proj) pairs, [H, D] each, unbound once per forward.
+    """
+    w1, w2 = mlp_weights[slot]
     if fp8_state is None:
         return bf16_mlp(m, w1, w2)
     return fp8_mlp(m, w1, w2, fold_p, fp8_state, slot, x8=m8)
