@@ -81,7 +81,8 @@ class Fp8LMHeadFunction(torch.autograd.Function):
         logits = scaled_mm(x8, w8, x_s, w_s, torch.float32, True)
         ctx.save_for_backward(x8, w8, cols)
         ctx.x_dtype, ctx.w_dtype, ctx.w_shape = x.dtype, w.dtype, w.shape
-        return logits.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).float()  # the e4m3 logit bytes
+        # the e4m3 logit bytes, read back through fp16 (exact for e4m3, and faster on CPU)
+        return logits.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).to(torch.float16).float()
 
     @staticmethod
     def backward(ctx, g: Tensor):

@@ -104,3 +104,26 @@ def test_candidate_sampler_fallback_spreads_evenly():
     sampler = CandidateSampler(64)
     cand = sampler.candidates(torch.arange(0, 64, 2), 60)  # needs 28 of the 32 odd classes
     assert cand.numel() == 60 and torch.isin(torch.arange(0, 64, 2), cand).all()
+
+
+def test_softcapped_loss_gradient_matches_autograd_of_the_plain_expression():
+    gen = torch.Generator().manual_seed(4)
+    T, N = 11, 17
+    logits = (4 * torch.randn(T, N, generator=gen)).requires_grad_()
+    targets = torch.randint(0, N, (T,), generator=gen)
+    targets[2] = -1
+    prefix = torch.randint(-1, N, (T,), generator=gen)
+    softcapped_loss_sum(logits, targets, (1.0, 0.5, 0.25), prefix, 0.3).backward()
+    ref_logits = logits.detach().double().requires_grad_()
+    z = 23 * torch.sigmoid((ref_logits + 5) / 7.5)
+    lse = torch.logsumexp(z, -1)
+    total = 0
+    for k, w in enumerate((1.0, 0.5, 0.25)):
+        for t in range(T - k):
+            if targets[t + k] >= 0:
+                total = total + w * (lse[t] - z[t, targets[t + k]])
+    for t in range(T):
+        if prefix[t] >= 0:
+            total = total + 0.3 * (lse[t] - z[t, prefix[t]])
+    total.backward()
+    torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=1e-5, atol=1e-6)
