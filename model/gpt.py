@@ -175,6 +175,11 @@ class GPT(nn.Module):
             for table in (self.yarn, self.yarn_paired):
                 table.rescale(old[0] * WINDOW_BLOCK, new[0] * WINDOW_BLOCK)
 
+    def gate_lanes(self, x: Tensor, gate: int, num_lanes: int) -> Tensor:
+        """Raw lanes of the pre (gate 0) or post (gate 1) MUDD gate: [T, num_lanes]."""
+        return M.mudd_gate(x, self.mudd_gate_w1[gate], self.mudd_gate_w2[gate], self.mudd_gate_b2[gate],
+                           self.mudd_gate_scale, num_lanes)
+
     # --- layer weights, cut from the banks once per forward ---------------------------------------
     def attn_weights(self) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
         """Per attention layer (qk_w [2·H·d_qk, D], v_w [H·d_v, D], o_w [D, H·d_v]).
@@ -231,22 +236,21 @@ class GPT(nn.Module):
         mlp_w = [slot.unbind(0) for slot in self.mlp_bank.unbind(0)]  # 12 × (c_fc, c_proj)
         x = smear(x, self.smear_gate.weight, self.scalars[SMEAR_LAMBDA_INDEX])
         x0 = norm(x)
-        gates = self.mudd_gate_w1, self.mudd_gate_w2, self.mudd_gate_b2
-        pre = M.mudd_gate(x0, gates[0][0], gates[1][0], gates[2][0], self.mudd_gate_scale, M.PRE_GATE_LANES)
-        xsa = {i: pre[:, s] for i, s in M.PRE_GATE_XSA.items()}
-        attn_gate = {i: pre[:, s] for i, s in M.PRE_GATE_ATTN_GATE.items()}
-        x0_gate = {i: pre[:, lane, None] for i, lane in M.PRE_GATE_X0.items()}
-        ngram_gate = {i: pre[:, lane, None] for i, lane in M.PRE_GATE_NGRAM.items()}
+        pre = self.gate_lanes(x0, 0, M.PRE_GATE_LANES)  # (T, 23)
+        xsa = {layer: pre[:, s] for layer, s in M.PRE_GATE_XSA.items()}
+        attn_gate = {layer: pre[:, s] for layer, s in M.PRE_GATE_ATTN_GATE.items()}
+        x0_gate = {layer: pre[:, lane, None] for layer, lane in M.PRE_GATE_X0.items()}
+        ngram_gate = {layer: pre[:, lane, None] for layer, lane in M.PRE_GATE_NGRAM.items()}
         x = x0 + ngram * ngram_gate[0]
         cache = {0: x}
         late_input = None  # (norm(cache[7]), its head): shared by layers 8 and 10
 
         for i in range(NUM_LAYERS):
             if i == POST_GATE_LAYER:
-                post = M.mudd_gate(x, gates[0][1], gates[1][1], gates[2][1], self.mudd_gate_scale, M.POST_GATE_LANES)
-                attn_gate.update({i: post[:, s] for i, s in M.POST_GATE_ATTN_GATE.items()})
-                x0_gate.update({i: post[:, lane, None] for i, lane in M.POST_GATE_X0.items()})
-                ngram_gate.update({i: post[:, lane, None] for i, lane in M.POST_GATE_NGRAM.items()})
+                post = self.gate_lanes(x, 1, M.POST_GATE_LANES)  # (T, 13), from the raw residual
+                attn_gate.update({layer: post[:, s] for layer, s in M.POST_GATE_ATTN_GATE.items()})
+                x0_gate.update({layer: post[:, lane, None] for layer, lane in M.POST_GATE_X0.items()})
+                ngram_gate.update({layer: post[:, lane, None] for layer, lane in M.POST_GATE_NGRAM.items()})
                 skip_gate = post[:, M.POST_GATE_SKIP, None]
 
             # --- attention slot ---
@@ -325,10 +329,11 @@ class GPT(nn.Module):
                 cache[i] = x
 
         # --- post-loop MUDD mix over 10 sources, then the final norm and the loss ---
-        mu, hidden = M.mudd_coefficients(x, self.mudd_w1[1], self.mudd_w2[1], self.mudd_b2[1], M.POST_LOOP_MUDD_COEFS)
+        mu_post, hidden = M.mudd_coefficients(x, self.mudd_w1[1], self.mudd_w2[1], self.mudd_b2[1],
+                                              M.POST_LOOP_MUDD_COEFS)
         delta = M.mudd_group_deltas(hidden, self.mudd_w2g, M.POST_LOOP_MUDD_COEFS)
         sources = [cache[0], cache[7], cache[9], ve[0], cache[3], ve[1], ve[3], ve[2], mlp_input_last, late_input[0]]
-        x = norm(M.post_loop_mix(x, sources, mu, delta))  # (T, D)
+        x = norm(M.post_loop_mix(x, sources, mu_post, delta))  # (T, D)
 
         if not step.training:
             return validation_loss(x, self.lm_head.weight, targets)

@@ -1,7 +1,8 @@
 """CPU benchmark: the smoke model's forward+backward with the fused and with the plain residual
 expressions, side by side (same weights, same batch, alternating runs so load drifts hit both).
 
-    python -m perf.bench_residual_fusion --tokens 256 --steps 10 [--config smoke] [--fp32] [--no-fp8]
+    python -m perf.bench_residual_fusion --tokens 256 --steps 10 [--config smoke] [--threads 1]
+                                         [--candidates 10240] [--fp32] [--no-fp8]
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tqdm import tqdm
 
 from config import MODEL_PRESETS
 from model.gpt import GPT, StepArgs
+from model.loss import CandidateSampler
 
 
 def make_batch(cfg, T: int, seed: int = 0):
@@ -41,7 +43,11 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--fp32", action="store_true", help="fp32 weights and activations instead of bf16")
     parser.add_argument("--no-fp8", action="store_true", help="bf16 MLPs and lm_head in training")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (tiny ops: 1 is fastest)")
+    parser.add_argument("--candidates", type=int, default=0,
+                        help="sampled softmax over this many classes (record stage 0: 10240); 0 = full softmax")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     cfg = MODEL_PRESETS[args.config]
     dtype = torch.float32 if args.fp32 else torch.bfloat16
     torch.manual_seed(0)
@@ -51,7 +57,8 @@ def main(argv=None) -> None:
     models = {"fused": fused, "plain": plain}
     batch = make_batch(cfg, args.tokens)
     batch = batch[:3] + (batch[3].to(dtype),) + batch[4:]
-    step = StepArgs(ws_short=1, ws_long=3, mtp_weights=(1.0, 0.5, 0.25))
+    candidates = CandidateSampler(cfg.vocab_size).candidates(batch[1], args.candidates) if args.candidates else None
+    step = StepArgs(ws_short=1, ws_long=3, mtp_weights=(1.0, 0.5, 0.25), candidates=candidates)
     for model in models.values():
         model.refresh_fp8()
         step_seconds(model, batch, step)  # warmup
@@ -60,7 +67,7 @@ def main(argv=None) -> None:
         for name, model in models.items():
             times[name].append(step_seconds(model, batch, step))
     print(f"config={args.config} tokens={args.tokens} dtype={dtype} fp8={not args.no_fp8} "
-          f"threads={torch.get_num_threads()} steps={args.steps}")
+          f"softmax={args.candidates or 'full'} threads={torch.get_num_threads()} steps={args.steps}")
     print(f"{'residuals':<10} {'median ms':>10} {'min ms':>10}")
     for name, ts in times.items():
         print(f"{name:<10} {1e3 * statistics.median(ts):>10.1f} {1e3 * min(ts):>10.1f}")
