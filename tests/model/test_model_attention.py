@@ -95,3 +95,18 @@ def test_yarn_window_changes_match_the_record_table():
     assert torch.all(wide.angular_freq[64:] == 0)  # stationary dims stay stationary
     # a fully scaled frequency moved by exactly old/new at each change
     assert narrow.angular_freq[-1].item() == pytest.approx(narrow_freq[-1].item() * 128 / 768, rel=1e-5)
+
+
+def test_paired_layers_rotate_logical_head_h_at_position_2t_plus_h_mod_2():
+    gen = torch.Generator().manual_seed(2)
+    T_, dq = 5, 8
+    qk = torch.randn(T_, 2 * H, dq, generator=gen)
+    q, k = normed_rotary_qk(qk, Yarn(dq, dq, 0.13, paired=True), paired=True, key_offset=False)
+    f1, f2 = Yarn(dq, dq, 0.13).tables(2 * T_)  # one row per interleaved position
+    normed = qk / qk.pow(2).mean(-1, keepdim=True).add(1.1920928955078125e-7).sqrt()
+    for t in range(T_):
+        for h in range(H):
+            pos = 2 * t + h % 2  # record #360: even heads at 2t, odd heads at 2t+1 (pair (1,4) swapped)
+            for u, got in ((normed[t, h], q[t, h]), (normed[t, H + h], k[t, h])):
+                want = rotate(u[None, None], f1[pos], f2[pos])[0, 0]
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

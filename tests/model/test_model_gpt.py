@@ -114,3 +114,40 @@ def test_bad_inputs_are_rejected():
         model(inputs, targets, cu, rows[:10], signs, StepArgs())
     with pytest.raises(ValueError, match="cu_seqlens"):
         model(inputs, targets, torch.tensor([0, 5], dtype=torch.int32), rows.float(), signs, StepArgs())
+
+
+def test_dead_parameters_are_exactly_the_record_list():
+    """Record #360 modules §1.2 lists the parameters no layer reads; they (and only they) get zero grad."""
+    cfg = dataclasses.replace(SMOKE, vocab_size=512)
+    torch.manual_seed(3)
+    model = GPT(cfg, dtype=torch.float32, fp8=False)
+    with torch.no_grad():  # wake every path that starts at zero
+        for p in (model.mlp_bank[:, 1], model.mudd_w2, model.mudd_w2g, model.mudd_gate_w2, model.ve_gate_bank,
+                  model.smear_gate.weight):
+            p.normal_(std=0.05)
+        model.scalars[22] = 0.2
+    inputs, targets, cu, rows, signs = _batch(cfg, 64, seed=4, vocab=512)
+    model(inputs, targets, cu, rows.float(), signs, StepArgs(ws_short=1, ws_long=1)).backward()
+    nd, hd = cfg.narrow_head_dim, cfg.head_dim
+    dead = {name: torch.zeros_like(p, dtype=torch.bool) for name, p in model.named_parameters()}
+    for i in (4, 6, 7, 9):
+        dead["scalars"][[2 * i, 2 * i + 1]] = True  # sa λ's of layers without attention
+    dead["post_lambdas"][[4, 6, 7, 9, 10], 0] = True
+    dead["post_lambdas"][7, 1] = dead["resid_lambdas"][6, 0] = True
+    dead["post_lambdas"][10] = dead["resid_lambdas"][10] = True  # the MUDD layer uses μ
+    dead["mlp_bank"][7] = True
+    dead["mudd_w2"][1, 10:] = dead["mudd_b2"][1, 10:] = dead["mudd_w2g"][10:] = True
+    dead["mudd_gate_w2"][1, 13:] = dead["mudd_gate_b2"][1, 13:] = True
+    qk = dead["qk_bank"].view(8, 12, hd, -1)
+    qk[7] = True  # padding
+    qk[:5, :, nd:] = True  # slots 0..4 (layers 0, 2, 5, 1, 8) read d_qk = 64 rows of each head
+    vo = dead["vo_bank"].view(8, 2, cfg.model_dim, cfg.model_dim)
+    vo[7] = True
+    for slot in (3, 4):  # half-v layers 1, 8: V rows and O columns 64.. of each head
+        vo[slot, 0].view(6, hd, -1)[:, nd:] = True
+        vo[slot, 1].view(-1, 6, hd)[:, :, nd:] = True
+    for name, p in model.named_parameters():
+        zero = p.grad == 0
+        assert torch.equal(zero & dead[name], dead[name]), f"{name}: a dead entry has a gradient"
+        if name in ("scalars", "post_lambdas", "resid_lambdas", "qk_bank", "vo_bank", "mudd_w2", "mudd_gate_w2"):
+            assert not (zero & ~dead[name]).any(), f"{name}: a live entry has no gradient"
