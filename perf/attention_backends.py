@@ -7,7 +7,8 @@ padded with T) marks their starts. A query sees the keys of its own segment at d
 3..5, so heads h and h+3 share one attention stream, segments and window count interleaved
 positions. q/k and v may have different head widths (64/128 on the narrow layers).
 
-The dense mask costs O(T²) memory: this path is for CPU tests and small runs; FA3 is the fast path.
+Queries run in chunks, each against the keys its window reaches, so the dense masks stay small;
+still, this path is for CPU tests and small runs: FA3 is the fast path.
 """
 from __future__ import annotations
 
@@ -22,12 +23,16 @@ def segment_ids(cu_seqlens: Tensor, num_positions: int) -> Tensor:
     return torch.searchsorted(cu_seqlens.to(torch.int64), positions, right=True) - 1
 
 
+def _window_mask(seg: Tensor, pos: Tensor, queries: slice, keys: slice, window: int) -> Tensor:
+    dist = pos[queries, None] - pos[None, keys]
+    return (seg[queries, None] == seg[None, keys]) & (dist >= 0) & (dist <= window)
+
+
 def varlen_attention_mask(cu_seqlens: Tensor, num_positions: int, window: int) -> Tensor:
     """Boolean [T, T] mask, True where query i may attend key j: same segment, 0 <= i − j <= window."""
     seg = segment_ids(cu_seqlens, num_positions)
     pos = torch.arange(num_positions, device=cu_seqlens.device)
-    dist = pos[:, None] - pos[None, :]
-    return (seg[:, None] == seg[None, :]) & (dist >= 0) & (dist <= window)
+    return _window_mask(seg, pos, slice(None), slice(None), window)
 
 
 def check_cu_seqlens(cu_seqlens: Tensor, num_tokens: int) -> None:
@@ -41,8 +46,12 @@ def check_cu_seqlens(cu_seqlens: Tensor, num_tokens: int) -> None:
 
 
 def sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
-                          softmax_scale: float, paired: bool = False) -> Tensor:
-    """Attention of q, k [T, H, d_qk] and v [T, H, d_v] over the packed documents → [T, H, d_v]."""
+                          softmax_scale: float, paired: bool = False, chunk: int = 2048) -> Tensor:
+    """Attention of q, k [T, H, d_qk] and v [T, H, d_v] over the packed documents → [T, H, d_v].
+
+    Queries go in chunks of `chunk` positions against the keys they can reach (the chunk and the
+    `window` positions before it), so the mask is [chunk, chunk + window], not [T, T].
+    """
     T, H, _ = q.shape
     check_cu_seqlens(cu_seqlens, T)
     if paired:  # the same memory seen as twice the positions with half the heads
@@ -51,7 +60,15 @@ def sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w
         q, k, v = (t.reshape(2 * T, H // 2, t.shape[-1]) for t in (q, k, v))
         cu_seqlens = 2 * cu_seqlens
     n = q.shape[0]
-    mask = varlen_attention_mask(cu_seqlens, n, window)  # (n, n)
-    y = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                       attn_mask=mask, scale=softmax_scale)  # (heads, n, d_v)
+    seg = segment_ids(cu_seqlens, n)
+    pos = torch.arange(n, device=q.device)
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # (heads, n, d)
+    outputs = []
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        k_lo = max(0, lo - window)
+        mask = _window_mask(seg, pos, slice(lo, hi), slice(k_lo, hi), window)  # (chunk, keys)
+        outputs.append(F.scaled_dot_product_attention(q[:, lo:hi], k[:, k_lo:hi], v[:, k_lo:hi],
+                                                      attn_mask=mask, scale=softmax_scale))
+    y = torch.cat(outputs, dim=1)  # (heads, n, d_v)
     return y.transpose(0, 1).reshape(T, H, v.shape[-1])

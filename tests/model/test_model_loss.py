@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+import model.loss as loss_module
 from model.loss import CandidateSampler, softcap, softcapped_loss_sum, training_loss, validation_loss
 from perf.fp8 import LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE, LM_HEAD_X_SCALE, fp8_lm_head
 
@@ -53,11 +54,13 @@ def test_sampled_softmax_is_the_loss_over_the_candidate_columns():
         training_loss(x, w, targets, (1.0,), None, 0.0, candidates=cand[cand != targets[0]], fp8=False)
 
 
-def test_validation_loss_is_mean_softcapped_ce():
+def test_validation_loss_is_mean_softcapped_ce(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(5, 8, generator=gen), torch.randn(8, 11, generator=gen)
     targets = torch.randint(0, 11, (5,), generator=gen)
     want = _loop_loss(x @ w, targets.tolist(), (1.0,), None, 0.0) / 5
+    assert validation_loss(x, w, targets).item() == pytest.approx(want, rel=1e-5)
+    monkeypatch.setattr(loss_module, "EVAL_CE_SLAB_ROWS", 2)  # slabs of 2, 2, 1 rows
     assert validation_loss(x, w, targets).item() == pytest.approx(want, rel=1e-5)
 
 

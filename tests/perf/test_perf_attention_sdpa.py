@@ -48,9 +48,10 @@ def test_attention_matches_brute_force(paired, seed):
     window = [3, 7, 40][seed]
     cu = _random_cu_seqlens(gen, T, pad=seed)
     q, k, v = (torch.randn(T, H, d, generator=gen) for d in (dqk, dqk, dv))
-    got = sdpa_varlen_attention(q, k, v, cu, window, 0.3, paired=paired)
     want = _brute_force(q, k, v, cu, window, 0.3, paired)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    for chunk in (2048, 5):  # one block, and query chunks that cut through documents and windows
+        got = sdpa_varlen_attention(q, k, v, cu, window, 0.3, paired=paired, chunk=chunk)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_mask_by_loop():
