@@ -164,6 +164,11 @@ class GPT(nn.Module):
         if self.mlp_fp8 is not None:
             self.mlp_fp8.refresh(self.mlp_bank.detach())
 
+    def rearm_fp8(self) -> None:
+        """After the post-warmup state reset: exact weight scales again, warmup amaxes dropped."""
+        if self.mlp_fp8 is not None:
+            self.mlp_fp8.rearm()
+
     def set_prefix_table(self, table: Tensor) -> None:
         with torch.no_grad():
             self.prefix_table.copy_(table)

@@ -151,3 +151,17 @@ def test_dead_parameters_are_exactly_the_record_list():
         assert torch.equal(zero & dead[name], dead[name]), f"{name}: a dead entry has a gradient"
         if name in ("scalars", "post_lambdas", "resid_lambdas", "qk_bank", "vo_bank", "mudd_w2", "mudd_gate_w2"):
             assert not (zero & ~dead[name]).any(), f"{name}: a live entry has no gradient"
+
+
+def test_window_changes_rescale_the_three_rotary_tables():
+    model = GPT(dataclasses.replace(SMOKE, vocab_size=128), dtype=torch.float32)
+    model.rescale_rotary((1, 3), (1, 3))  # no change, no YaRN
+    assert model.yarn_wide.attn_scale == 0.085 and model.yarn.attn_scale == 0.13
+    model.rescale_rotary((1, 3), (3, 7))  # record #360 step 320
+    assert model.yarn_wide.attn_scale == pytest.approx(0.099404, abs=1e-6)
+    assert model.yarn.attn_scale == model.yarn_paired.attn_scale == pytest.approx(0.158564, abs=1e-6)
+    model.refresh_fp8()
+    model.mlp_fp8.post_amax.fill_(3.0)
+    model.rearm_fp8()
+    assert model.mlp_fp8.refresh_calls == 0 and model.mlp_fp8.post_amax.abs().sum() == 0
+    assert (model.mlp_fp8.dpre_scale == 2.0 ** -6).all() and (model.mlp_fp8.post_scale == 1).all()
