@@ -23,6 +23,10 @@ Forward contract (B = 1; T tokens of the rank's packed batch):
   `refresh_fp8()` after every optimizer step and before the first training forward); validation
   (`step.training=False`) returns the mean next-token cross-entropy (bf16, no MTP/prefix/sampling).
 
+Hooks for the training loop: `refresh_fp8()` after every optimizer step; `rearm_fp8()` after the
+post-warmup reset; `rescale_rotary(old, new)` when the (ws_short, ws_long) windows change (YaRN);
+`set_prefix_table(build_prefix_table(V))` once the table is built (model/prefix.py).
+
     python -m model.summary --config record    # every parameter and buffer, built on "meta"
 """
 from __future__ import annotations
