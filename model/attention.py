@@ -6,10 +6,11 @@ layer's widths (nn.Linear layout) and passes them in with an `AttnArgs`:
     qk_w [2·H·d_qk, D] (Q heads then K heads), v_w [H·d_v, D], o_w [D, H·d_v].
 Shapes in comments: T tokens of the rank's packed batch, H heads, D model width.
 
-The projection is bf16 here (the validation form of record #360, with sa0 on the weight); the
-packed fp8 QKV of training is a fast-path kernel. The O weight carries sa1 and, when given, the
-layer's attention post-λ (`o_gain`): out = y·bf16(sa1·o_gain·W_O)ᵀ, one rounding of the product,
-so p's gradient is a reduction over the weight instead of over the [T, D] output (record #360 §4.2).
+The QKV projection is one GEMM over [W_qk; W_v]: in training the packed fp8 projection of
+perf/fp8.py (sa0 folded into its dequant scale), in validation bf16 with sa0 on the weight. The O
+weight (bf16 in both) carries sa1 and, when given, the layer's attention post-λ (`o_gain`):
+out = y·bf16(sa1·o_gain·W_O)ᵀ, one rounding of the product, so p's gradient is a reduction over the
+weight instead of over the [T, D] output (record #360 §4.2).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from model.rotary import Yarn, rotate
 from perf.attention_backends import sdpa_varlen_attention
+from perf.fp8 import fp8_qkv
 from perf.residual_fusion import RMS_NORM_EPS
 
 XSA_EPS = 1e-8  # record #360: floor of ‖v‖² in the XSA projection
@@ -37,6 +39,7 @@ class AttnArgs:
     aux_v: Tensor | None = None  # [T, H·head_dim] added to V (value embeddings, MUDD v)
     xsa_alpha: Tensor | None = None  # [T, H] raw XSA lanes (tanh applied here)
     o_gain: Tensor | None = None  # 0-D: the layer's attention post-λ, folded into the O weight
+    fp8: bool = False  # training: the packed fp8 QKV projection (sa0 in its dequant scale)
 
 
 def scaled_weight(c: Tensor, w: Tensor) -> Tensor:
@@ -81,8 +84,10 @@ class CausalSelfAttention(torch.nn.Module):
         if args.key_offset and dq <= args.yarn.rotary_dim:
             raise ValueError("attention: the key offset needs stationary dims (d_qk > rotary_dim)")
         sa0, sa1 = args.sa_lambdas[0], args.sa_lambdas[1]
-        w_qkv = scaled_weight(sa0, torch.cat([qk_w, v_w]))  # ((2·dq + dv)·H, D)
-        qkv = x @ w_qkv.t()
+        if args.fp8:
+            qkv = fp8_qkv(x, qk_w, v_w, sa0)  # (T, (2·dq + dv)·H)
+        else:
+            qkv = x @ scaled_weight(sa0, torch.cat([qk_w, v_w])).t()
         qk, v = qkv.split([2 * H * dq, H * dv], dim=-1)
         q, k = normed_rotary_qk(qk.view(T, 2 * H, dq), args.yarn, self.paired, args.key_offset)
         q, k = q.to(x.dtype), k.to(x.dtype)

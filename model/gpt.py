@@ -296,7 +296,7 @@ class GPT(nn.Module):
                     window=(step.ws_long if long else step.ws_short) * WINDOW_BLOCK,
                     yarn=self.yarn_wide if long else (self.yarn_paired if i in PAIRED_HEAD_LAYERS else self.yarn),
                     key_offset=long, attn_gate=attn_gate.get(i), aux_v=aux_v, xsa_alpha=xsa.get(i),
-                    o_gain=p_attn[i] if fold_o_gain else None)
+                    o_gain=p_attn[i] if fold_o_gain else None, fp8=use_fp8)
                 out = self.attn[str(i)](a, *attn_w[i], args)  # (T, D)
                 if i == MUDD_LAYER:
                     x = mu[8] * x + mu[9] * out + mu[10] * cache[0]

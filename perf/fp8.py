@@ -108,3 +108,49 @@ def fp8_lm_head(x: Tensor, w: Tensor, cols: Tensor | None = None) -> Tensor:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"fp8_lm_head: x {tuple(x.shape)} and lm_head {tuple(w.shape)} must be [T, D] and [D, V]")
     return Fp8LMHeadFunction.apply(x, w, cols)
+
+
+# The packed fp8 QKV projection of record #360 training (modules §2.9): static scales for the input
+# and the output gradient, an exact per-layer weight scale, sa0 folded into the dequant scale.
+QKV_X_SCALE = 8.0 / 448  # record #360: normed attention inputs saturate beyond |x| = 8
+QKV_GRAD_SCALE = 1.0 / 448  # record #360: static e4m3 scale of the QKV output gradient
+
+
+class Fp8QKVFunction(torch.autograd.Function):
+    """qkv = x·(sa0·W)ᵀ for W = [W_qk; W_v] through e4m3, with sa0 riding the dequant scale.
+
+    Backward: the output gradient goes e4m3 with the static 1/448 scale; dW′ = g8ᵀ·x8 (= dL/d(sa0·W)),
+    d sa0 = ⟨dW′, W⟩ in fp32 against the master weight, dW = sa0·dW′; no fast accumulation.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_qk: Tensor, w_v: Tensor, sa0: Tensor) -> Tensor:
+        w = torch.cat([w_qk, w_v])  # (R, D)
+        x_s = torch.tensor(QKV_X_SCALE, device=x.device)
+        w_s = (w.detach().abs().amax().float().clamp(min=1e-12) / E4M3_MAX)  # exact, per layer
+        x8, w8 = quantize(x, x_s, E4M3), quantize(w, w_s, E4M3)
+        sa0_val = sa0.detach().float()
+        qkv = scaled_mm(x8, w8.t(), x_s, w_s * sa0_val, x.dtype, True)  # (T, R)
+        ctx.save_for_backward(x8, w8, w, sa0)
+        ctx.scales, ctx.split, ctx.dtypes = (x_s, w_s, sa0_val), w_qk.shape[0], (x.dtype, w.dtype)
+        return qkv
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x8, w8, w, sa0 = ctx.saved_tensors
+        x_s, w_s, sa0_val = ctx.scales
+        x_dtype, w_dtype = ctx.dtypes
+        g_s = torch.tensor(QKV_GRAD_SCALE, device=g.device)
+        g8 = quantize(g, g_s, E4M3)  # (T, R)
+        dw_folded = scaled_mm(g8.t(), x8, g_s, x_s, w_dtype, False)  # (R, D) = dL/d(sa0·W)
+        dx = scaled_mm(g8, w8, g_s, w_s * sa0_val, x_dtype, False)  # (T, D)
+        grad_sa0 = (dw_folded.float() * w.float()).sum().to(sa0.dtype) if ctx.needs_input_grad[3] else None
+        dw = (dw_folded.float() * sa0_val).to(w_dtype)
+        return dx, dw[: ctx.split], dw[ctx.split:], grad_sa0
+
+
+def fp8_qkv(x: Tensor, w_qk: Tensor, w_v: Tensor, sa0: Tensor) -> Tensor:
+    """Training QKV projection of the normed attention input x [T, D]: [T, rows(W_qk) + rows(W_v)]."""
+    if sa0.dim() != 0:
+        raise ValueError(f"fp8_qkv: sa0 must be 0-D, got {tuple(sa0.shape)}")
+    return Fp8QKVFunction.apply(x, w_qk, w_v, sa0)
