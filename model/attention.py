@@ -1,0 +1,105 @@
+"""Causal self-attention of record #360: per-layer head widths, QK-norm, YaRN rotary, the partial
+key offset, paired heads, XSA, output gates, value-embedding adds and the O projection with o_gain.
+
+`CausalSelfAttention` holds no parameters: GPT cuts each layer's weights out of the banks to the
+layer's widths (nn.Linear layout) and passes them in with an `AttnArgs`:
+    qk_w [2·H·d_qk, D] (Q heads then K heads), v_w [H·d_v, D], o_w [D, H·d_v].
+Shapes in comments: T tokens of the rank's packed batch, H heads, D model width.
+
+The QKV projection is one GEMM over [W_qk; W_v]: in training the packed fp8 projection of
+perf/fp8.py (sa0 folded into its dequant scale), in validation bf16 with sa0 on the weight. The O
+weight (bf16 in both) carries sa1 and, when given, the layer's attention post-λ (`o_gain`):
+out = y·bf16(sa1·o_gain·W_O)ᵀ, one rounding of the product, so p's gradient is a reduction over the
+weight instead of over the [T, D] output (record #360 §4.2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from model.rotary import Yarn, rotate
+from perf.attention_backends import sdpa_varlen_attention
+from perf.fp8 import fp8_qkv
+from perf.residual_fusion import RMS_NORM_EPS
+
+XSA_EPS = 1e-8  # record #360: floor of ‖v‖² in the XSA projection
+
+
+@dataclass
+class AttnArgs:
+    """What one attention layer reads besides its weights (B = 1, so no batch dims)."""
+    sa_lambdas: Tensor  # fp32 [2]: sa0 scales the QKV weight, sa1 the O weight
+    cu_seqlens: Tensor  # int32 [R], padded with T
+    window: int  # tokens a query looks back (blocks × 128; interleaved positions on paired layers)
+    yarn: Yarn  # the layer's rotary table
+    key_offset: bool = False  # long-window layers: stationary key dims from the previous token
+    attn_gate: Tensor | None = None  # [T, H] raw per-head output gate
+    aux_v: Tensor | None = None  # [T, H·head_dim] added to V (value embeddings, MUDD v)
+    xsa_alpha: Tensor | None = None  # [T, H] raw XSA lanes (tanh applied here)
+    o_gain: Tensor | None = None  # 0-D: the layer's attention post-λ, folded into the O weight
+    fp8: bool = False  # training: the packed fp8 QKV projection (sa0 in its dequant scale)
+
+
+def scaled_weight(c: Tensor, w: Tensor) -> Tensor:
+    """c·w with one rounding to w's dtype (c an fp32 0-D gain)."""
+    return (c.float() * w.float()).to(w.dtype)
+
+
+def qk_norm(u: Tensor) -> Tensor:
+    """Per-head RMS norm of u [T, heads, d] in fp32, no weight, F.rms_norm's eps."""
+    u = u.float()
+    return u * torch.rsqrt(u.pow(2).mean(dim=-1, keepdim=True) + RMS_NORM_EPS)
+
+
+def normed_rotary_qk(qk: Tensor, yarn: Yarn, paired: bool, key_offset: bool) -> tuple[Tensor, Tensor]:
+    """QK-norm, rotary and the partial key offset of qk [T, 2H, d] (Q heads, then K heads) → fp32 q, k."""
+    T, H2, dq = qk.shape
+    H = H2 // 2
+    qk = qk_norm(qk)  # (T, 2H, dq) fp32
+    factor1, factor2 = yarn.tables(T)  # (T, dq) or paired (T, 2·dq)
+    if paired:  # even logical heads rotate at position 2t, odd heads at 2t+1 (as record #360)
+        head_parity = torch.arange(2 * H, device=qk.device) % H % 2  # Q heads then K heads
+        factor1, factor2 = (f.view(T, 2, dq)[:, head_parity] for f in (factor1, factor2))  # (T, 2H, dq)
+    else:
+        factor1, factor2 = factor1[:, None], factor2[:, None]
+    qk = rotate(qk, factor1, factor2)
+    q, k = qk[:, :H], qk[:, H:]
+    if key_offset:  # stationary dims of key t come from key t−1 (across documents too); key 0 keeps its own
+        rd = yarn.rotary_dim
+        k = torch.cat([k[:, :, :rd], torch.cat([k[:1, :, rd:], k[:-1, :, rd:]])], dim=-1)
+    return q, k
+
+
+class CausalSelfAttention(torch.nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, qk_dim: int, v_dim: int, paired: bool):
+        super().__init__()
+        self.num_heads, self.head_dim, self.qk_dim, self.v_dim, self.paired = num_heads, head_dim, qk_dim, v_dim, paired
+
+    def forward(self, x: Tensor, qk_w: Tensor, v_w: Tensor, o_w: Tensor, args: AttnArgs) -> Tensor:
+        T, H, dq, dv = x.shape[0], self.num_heads, self.qk_dim, self.v_dim
+        if args.yarn.head_dim != dq:
+            raise ValueError(f"attention: rotary table width {args.yarn.head_dim} != d_qk {dq}")
+        if args.key_offset and dq <= args.yarn.rotary_dim:
+            raise ValueError("attention: the key offset needs stationary dims (d_qk > rotary_dim)")
+        sa0, sa1 = args.sa_lambdas[0], args.sa_lambdas[1]
+        if args.fp8:
+            qkv = fp8_qkv(x, qk_w, v_w, sa0)  # (T, (2·dq + dv)·H)
+        else:
+            qkv = x @ scaled_weight(sa0, torch.cat([qk_w, v_w])).t()
+        qk, v = qkv.split([2 * H * dq, H * dv], dim=-1)
+        q, k = normed_rotary_qk(qk.view(T, 2 * H, dq), args.yarn, self.paired, args.key_offset)
+        q, k = q.to(x.dtype), k.to(x.dtype)
+        v = v.view(T, H, dv)
+        if args.aux_v is not None:
+            v = v + args.aux_v.view(T, H, self.head_dim)[..., :dv]
+        y = sdpa_varlen_attention(q, k, v, args.cu_seqlens, args.window, args.yarn.attn_scale,
+                                  paired=self.paired)  # (T, H, dv)
+        if args.xsa_alpha is not None:  # remove a learned share of y along the token's own value
+            coef = (y * v).sum(-1, keepdim=True) / (v * v).sum(-1, keepdim=True).clamp_min(XSA_EPS)
+            y = y - torch.tanh(args.xsa_alpha.to(y.dtype))[..., None] * coef * v
+        if args.attn_gate is not None:
+            y = y * args.attn_gate[..., None].to(y.dtype)
+        c = sa1 if args.o_gain is None else sa1 * args.o_gain.float()
+        return y.reshape(T, H * dv) @ scaled_weight(c, o_w).t()  # (T, D)

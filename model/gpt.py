@@ -1,0 +1,351 @@
+"""The record #360 GPT (ANVIL2, README record #92): 11 layers, attention on 7 of them, MUDD, gates.
+
+Topology (record_360_modules.md §1): attention on layers (0,1,2,3,5,8,10) with head widths
+(d_qk, d_v) = (64,128) paired on 0,2,5, (64,64) on 1,8, (128,128) long-window + key offset on 3,10;
+XSA on 1,3; output gates on 3,10; value embeddings on 1,2,8 (learned gates) and 10 (MUDD gates);
+x0 injections on (0,1,2,4,5,7), n-gram injections on (0 pre-loop,1,4,5,9); a gated skip from
+cache[3] at layer 6; layer 7 only scales the residual; a parallel MLP at layer 8 (bank slot 11);
+MUDD at layer 10 (14 coefficients) and after the loop (10 sources, 12 channel-group deltas); the
+pre gate (23 lanes, from x0) and the post gate (13 lanes, at layer 4).
+
+The residual updates use the fusions of perf/residual_fusion.py (record #360 §4): `scale` /
+`scale_add` with 0-D λ's, the attention post-λ carried into the O weight (`o_gain`), the MLP post-λ
+folded into the fp8 down-projection scale in training (`scale_add` with the bf16 MLP otherwise),
+and `rms_norm_with_head` for the value-embedding gates. `fused_residuals=False` runs the plain
+expressions instead (for benchmarks and comparisons; same math).
+
+Forward contract (B = 1; T tokens of the rank's packed batch):
+    loss = model(inputs, targets, cu_seqlens, ngram_rows, ngram_sign_rows, step)
+  inputs int32 [T], targets int64 [T], cu_seqlens int32 [R] (padded with T), ngram_rows [2T, D]
+  (this batch's gathered n-gram rows, bigram then trigram; a leaf with requires_grad receives the
+  row-sparse sink gradient), ngram_sign_rows int32 [2T] (rows of `ngram_sign_pool`), step a
+  `StepArgs`. Training returns the summed loss over the T tokens (fp8 MLPs and lm_head; call
+  `refresh_fp8()` after every optimizer step and before the first training forward); validation
+  (`step.training=False`) returns the mean next-token cross-entropy (bf16, no MTP/prefix/sampling).
+
+Hooks for the training loop: `refresh_fp8()` after every optimizer step; `rearm_fp8()` after the
+post-warmup reset; `rescale_rotary(old, new)` when the (ws_short, ws_long) windows change (YaRN);
+`set_prefix_table(build_prefix_table(V))` once the table is built (model/prefix.py).
+
+    python -m model.summary --config record    # every parameter and buffer, built on "meta"
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from config import ModelConfig
+from model import mudd as M
+from model.attention import AttnArgs, CausalSelfAttention
+from model.embeddings import NUM_VALUE_EMBED_PLANES, SMEAR_CHANNELS, ngram_embedding, ngram_sign_pool, smear, value_embeddings
+from model.loss import LM_HEAD_INIT_STD, TransposedLinear, training_loss, validation_loss
+from model.mlp import NUM_MLP_SLOTS, PARALLEL_MLP_LAYER, PARALLEL_MLP_SLOT, mlp_slot_output
+from model.rotary import Yarn
+from perf.kernels.mlp import Fp8MLPState
+from perf.residual_fusion import rms_norm_with_head, scale, scale_add
+
+# --- topology (record #360 modules §1.1) -----------------------------------------------------------
+NUM_LAYERS = 11
+ATTN_LAYERS = (0, 1, 2, 3, 5, 8, 10)
+NO_MLP_LAYERS = (7,)
+LONG_WINDOW_LAYERS = (3, 10)  # long window and the partial key offset
+PAIRED_HEAD_LAYERS = (0, 2, 5)
+WIDE_QK_LAYERS = (3, 10)  # d_qk = d_v = head_dim
+HALF_V_LAYERS = (1, 8)  # d_qk = d_v = narrow_head_dim; the rest (0, 2, 5) have d_qk narrow, d_v wide
+XSA_LAYERS = (1, 3)
+ATTN_GATE_LAYERS = (3, 10)
+VALUE_EMBED_LAYERS = (1, 2, 8, 10)  # planes 0, 1, 2, 3
+VALUE_EMBED_GATE_LAYERS = (1, 2, 8)  # ve_gate_bank rows 0, 1, 2
+VALUE_EMBED_GATE_CHANNELS = 6
+X0_INJECT_LAYERS = (0, 1, 2, 4, 5, 7)
+NGRAM_INJECT_LAYERS = (0, 1, 4, 5, 9)  # layer 0's happens before the loop
+POST_GATE_LAYER = 4
+SKIP_LAYER, SKIP_SOURCE = 6, 3
+CACHE_LAYERS = (3, 7)
+MUDD_LAYER = 10
+ATTN_BANK_ORDER = (0, 2, 5, 1, 8, 3, 10)  # bank slot j belongs to layer ATTN_BANK_ORDER[j]
+BANK_SLOTS_PADDED = 8  # record #360: qk/vo banks padded to 8 slots so 8 ranks shard them evenly
+NARROW_ATTN_SCALE, WIDE_ATTN_SCALE = 0.13, 0.085  # record #360: initial softmax scales
+WINDOW_BLOCK = 128  # record #360: windows are counted in 128-token blocks
+# --- initialization (record #360 modules §1.2) ----------------------------------------------------
+RESID_LAMBDA_INIT = math.sqrt(1.1)
+SA_LAMBDA_INIT = (0.5, 1.0)  # on the QKV weight, on the O weight
+SMEAR_LAMBDA_INDEX, SKIP_LAMBDA_INDEX = 2 * NUM_LAYERS, 2 * NUM_LAYERS + 1
+SKIP_LAMBDA_INIT = -1.5
+VALUE_EMBED_INIT_STD = 0.01
+
+
+@dataclass
+class StepArgs:
+    """Per-step schedule values the forward reads (optim/schedule.py produces them)."""
+    ws_short: int = 1  # short window, 128-token blocks
+    ws_long: int = 3  # long window (layers 3, 10), 128-token blocks
+    mtp_weights: tuple = (1.0,)  # weight of the loss on targets t, t+1, t+2, ...
+    prefix_weight: float = 0.0  # prefix-token auxiliary loss weight
+    candidates: Tensor | None = None  # sampled softmax: sorted class ids [P]; None = full softmax
+    training: bool = True  # False: the validation forward (bf16, mean CE)
+
+
+def attn_widths(layer: int, cfg: ModelConfig) -> tuple[int, int]:
+    """(d_qk, d_v) of an attention layer."""
+    if layer in WIDE_QK_LAYERS:
+        return cfg.head_dim, cfg.head_dim
+    if layer in HALF_V_LAYERS:
+        return cfg.narrow_head_dim, cfg.narrow_head_dim
+    return cfg.narrow_head_dim, cfg.head_dim
+
+
+def norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.shape[-1],))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, fp8: bool = True,
+                 fused_residuals: bool = True):
+        super().__init__()
+        self.cfg, self.fp8, self.fused_residuals = cfg, fp8, fused_residuals
+        V, D, H, hd = cfg.vocab_size, cfg.model_dim, cfg.num_heads, cfg.head_dim
+        h = cfg.mudd_hidden_dim
+        bound = math.sqrt(3) * 0.5 * D ** -0.5  # record #360: 1/32 at D = 768
+        live_slots = len(ATTN_BANK_ORDER)
+
+        self.lm_head = TransposedLinear(D, V)  # [D, V]
+        nn.init.normal_(self.lm_head.weight, std=LM_HEAD_INIT_STD)
+        self.embed = nn.Embedding(V, D)
+        with torch.no_grad():
+            self.embed.weight.copy_(self.lm_head.weight.t())  # tied at init
+        self.value_embeds = nn.Parameter(VALUE_EMBED_INIT_STD * torch.randn(NUM_VALUE_EMBED_PLANES * V, D))
+        self.ve_gate_bank = nn.Parameter(torch.zeros(len(VALUE_EMBED_GATE_LAYERS), H, 2 * VALUE_EMBED_GATE_CHANNELS))
+        # qk: per slot H groups of two heads (Q0Q1, Q2Q3, ..., K4K5), each [2·hd, D]; padding zero
+        self.qk_bank = nn.Parameter(torch.zeros(BANK_SLOTS_PADDED * H, 2 * hd, D))
+        # vo: per slot its V [H·hd, D] and O [D, H·hd] (nn.Linear layouts); padding zero
+        self.vo_bank = nn.Parameter(torch.zeros(2 * BANK_SLOTS_PADDED, D, D))
+        # mlp: per slot c_fc and c_proj, both [H_mlp, D]; c_proj starts at zero
+        self.mlp_bank = nn.Parameter(torch.zeros(NUM_MLP_SLOTS, 2, cfg.mlp_hidden_dim, D))
+        with torch.no_grad():
+            self.qk_bank[: live_slots * H].uniform_(-bound, bound)
+            self.vo_bank[: 2 * live_slots].uniform_(-bound, bound)
+            self.mlp_bank[:, 0].uniform_(-bound, bound)
+        self.smear_gate = nn.Linear(SMEAR_CHANNELS, 1, bias=False)
+        nn.init.zeros_(self.smear_gate.weight)
+        self.post_lambdas = nn.Parameter(torch.ones(NUM_LAYERS, 2))
+        self.resid_lambdas = nn.Parameter(torch.full((NUM_LAYERS, 2), RESID_LAMBDA_INIT))
+        scalars = torch.zeros(2 * NUM_LAYERS + 2)
+        scalars[0: 2 * NUM_LAYERS: 2], scalars[1: 2 * NUM_LAYERS: 2] = SA_LAMBDA_INIT
+        scalars[SKIP_LAMBDA_INDEX] = SKIP_LAMBDA_INIT  # the smear λ starts at 0
+        self.scalars = nn.Parameter(scalars)
+        # MUDD blocks and gates (Kaiming-uniform a=√5 on the first layer: bound 1/√D)
+        self.mudd_w1 = nn.Parameter(torch.empty(2, h, D).uniform_(-D ** -0.5, D ** -0.5))
+        self.mudd_w2 = nn.Parameter(torch.zeros(2, M.LAST_LAYER_MUDD_COEFS, h))
+        self.mudd_b2 = nn.Parameter(M.mudd_block_bias(M.LAST_LAYER_MUDD_COEFS))
+        self.mudd_w2g = nn.Parameter(torch.zeros(M.LAST_LAYER_MUDD_COEFS, M.MUDD_GROUPS, h))
+        self.mudd_gate_scale = nn.Parameter(torch.tensor(M.MUDD_GATE_SCALE_INIT))
+        self.mudd_gate_w1 = nn.Parameter(torch.empty(2, h, D).uniform_(-D ** -0.5, D ** -0.5))
+        self.mudd_gate_w2 = nn.Parameter(torch.zeros(2, M.PRE_GATE_LANES, h))
+        self.mudd_gate_b2 = nn.Parameter(M.mudd_gate_bias())
+        # matrices in the training dtype (record #360 casts exactly this set); scalars stay fp32
+        for name, p in self.named_parameters():
+            if name not in ("post_lambdas", "resid_lambdas", "scalars", "mudd_gate_scale"):
+                p.data = p.data.to(dtype)
+
+        self.register_buffer("ngram_sign_pool", ngram_sign_pool(cfg).to(dtype))
+        self.register_buffer("prefix_table", torch.full((V,), -1, dtype=torch.long), persistent=False)
+        self.yarn = Yarn(cfg.narrow_head_dim, cfg.narrow_head_dim, NARROW_ATTN_SCALE)
+        self.yarn_paired = Yarn(cfg.narrow_head_dim, cfg.narrow_head_dim, NARROW_ATTN_SCALE, paired=True)
+        self.yarn_wide = Yarn(cfg.head_dim, cfg.narrow_head_dim, WIDE_ATTN_SCALE)
+        self.attn = nn.ModuleDict({
+            str(i): CausalSelfAttention(H, hd, *attn_widths(i, cfg), paired=i in PAIRED_HEAD_LAYERS)
+            for i in ATTN_LAYERS})
+        self.mlp_fp8 = Fp8MLPState(NUM_MLP_SLOTS, cfg.mlp_hidden_dim, D) if fp8 else None
+
+    # --- hooks the training loop calls -------------------------------------------------------------
+    def refresh_fp8(self) -> None:
+        """Re-quantize the MLP weights and roll the delayed scales (after every optimizer step)."""
+        if self.mlp_fp8 is not None:
+            self.mlp_fp8.refresh(self.mlp_bank.detach())
+
+    def rearm_fp8(self) -> None:
+        """After the post-warmup state reset: exact weight scales again, warmup amaxes dropped."""
+        if self.mlp_fp8 is not None:
+            self.mlp_fp8.rearm()
+
+    def set_prefix_table(self, table: Tensor) -> None:
+        with torch.no_grad():
+            self.prefix_table.copy_(table)
+
+    def rescale_rotary(self, old: tuple[int, int], new: tuple[int, int]) -> None:
+        """Window change (ws_short, ws_long) old → new in blocks: YaRN on the three tables."""
+        if old[1] != new[1]:
+            self.yarn_wide.rescale(old[1] * WINDOW_BLOCK, new[1] * WINDOW_BLOCK)
+            for table in (self.yarn, self.yarn_paired):
+                table.rescale(old[0] * WINDOW_BLOCK, new[0] * WINDOW_BLOCK)
+
+    def gate_lanes(self, x: Tensor, gate: int, num_lanes: int) -> Tensor:
+        """Raw lanes of the pre (gate 0) or post (gate 1) MUDD gate: [T, num_lanes]."""
+        return M.mudd_gate(x, self.mudd_gate_w1[gate], self.mudd_gate_w2[gate], self.mudd_gate_b2[gate],
+                           self.mudd_gate_scale, num_lanes)
+
+    # --- layer weights, cut from the banks once per forward ---------------------------------------
+    def attn_weights(self) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+        """Per attention layer (qk_w [2·H·d_qk, D], v_w [H·d_v, D], o_w [D, H·d_v]).
+
+        Each bank is unbound once, so its backward assembles one gradient instead of one
+        zero-filled bank per slice.
+        """
+        H, hd, D = self.cfg.num_heads, self.cfg.head_dim, self.cfg.model_dim
+        n = len(ATTN_BANK_ORDER)
+        qk_slots = self.qk_bank[: n * H].view(n, 2 * H, hd, D).unbind(0)  # heads Q0..Q5, K0..K5
+        vo_slots = self.vo_bank[: 2 * n].view(n, 2, D, D).unbind(0)  # (V, O) per slot
+        weights = {}
+        for j, layer in enumerate(ATTN_BANK_ORDER):
+            dq, dv = attn_widths(layer, self.cfg)
+            v, o = vo_slots[j].unbind(0)
+            weights[layer] = (qk_slots[j][:, :dq].reshape(2 * H * dq, D),
+                              v.view(H, hd, D)[:, :dv].reshape(H * dv, D),
+                              o.view(D, H, hd)[:, :, :dv].reshape(D, H * dv))
+        return weights
+
+    # --- residual products: fused (record #360) or plain -------------------------------------------
+    def _scale(self, r: Tensor, x: Tensor) -> Tensor:
+        return scale(r, x) if self.fused_residuals else r * x
+
+    def _scale_add(self, r: Tensor, x: Tensor, p: Tensor, y: Tensor) -> Tensor:
+        return scale_add(r, x, p, y) if self.fused_residuals else r * x + p * y
+
+    def _norm_with_head(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if self.fused_residuals:
+            return rms_norm_with_head(x, VALUE_EMBED_GATE_CHANNELS)
+        normed = norm(x)
+        return normed, normed[:, :VALUE_EMBED_GATE_CHANNELS]
+
+    def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, ngram_rows: Tensor,
+                ngram_sign_rows: Tensor, step: StepArgs) -> Tensor:
+        cfg, T = self.cfg, inputs.numel()
+        H, hd = cfg.num_heads, cfg.head_dim
+        if inputs.dim() != 1 or targets.shape != inputs.shape or ngram_rows.shape != (2 * T, cfg.model_dim):
+            raise ValueError(f"GPT.forward: inputs/targets must be [T] and ngram_rows [2T, {cfg.model_dim}], got "
+                             f"{tuple(inputs.shape)}, {tuple(targets.shape)}, {tuple(ngram_rows.shape)}")
+        use_fp8 = step.training and self.fp8
+        fp8_state = self.mlp_fp8 if use_fp8 else None
+
+        # --- preamble: embeddings, smear, x0, the pre gate ---
+        x = self.embed(inputs)  # (T, D)
+        dt = x.dtype
+        r_attn, r_mlp = self.resid_lambdas.to(dt).unbind(1)  # record #360: λ's cast once per forward
+        p_attn, p_mlp = self.post_lambdas.to(dt).unbind(1)
+        sa = self.scalars.view(-1)[: 2 * NUM_LAYERS].view(NUM_LAYERS, 2)
+        ngram = ngram_embedding(ngram_rows, ngram_sign_rows, self.ngram_sign_pool).to(dt)  # (T, D)
+        ve = value_embeddings(self.value_embeds, inputs, cfg.vocab_size)  # 4 × (T, D)
+        ve_of_layer = dict(zip(VALUE_EMBED_LAYERS, ve))
+        attn_w = self.attn_weights()
+        mlp_w = [slot.unbind(0) for slot in self.mlp_bank.unbind(0)]  # 12 × (c_fc, c_proj)
+        x = smear(x, self.smear_gate.weight, self.scalars[SMEAR_LAMBDA_INDEX])
+        x0 = norm(x)
+        pre = self.gate_lanes(x0, 0, M.PRE_GATE_LANES)  # (T, 23)
+        xsa = {layer: pre[:, s] for layer, s in M.PRE_GATE_XSA.items()}
+        attn_gate = {layer: pre[:, s] for layer, s in M.PRE_GATE_ATTN_GATE.items()}
+        x0_gate = {layer: pre[:, lane, None] for layer, lane in M.PRE_GATE_X0.items()}
+        ngram_gate = {layer: pre[:, lane, None] for layer, lane in M.PRE_GATE_NGRAM.items()}
+        x = x0 + ngram * ngram_gate[0]
+        cache = {0: x}
+        late_input = None  # (norm(cache[7]), its head): shared by layers 8 and 10
+
+        for i in range(NUM_LAYERS):
+            if i == POST_GATE_LAYER:
+                post = self.gate_lanes(x, 1, M.POST_GATE_LANES)  # (T, 13), from the raw residual
+                attn_gate.update({layer: post[:, s] for layer, s in M.POST_GATE_ATTN_GATE.items()})
+                x0_gate.update({layer: post[:, lane, None] for layer, lane in M.POST_GATE_X0.items()})
+                ngram_gate.update({layer: post[:, lane, None] for layer, lane in M.POST_GATE_NGRAM.items()})
+                skip_gate = post[:, M.POST_GATE_SKIP, None]
+
+            # --- attention slot ---
+            if i == MUDD_LAYER:
+                cache[9] = x
+                mu, _ = M.mudd_coefficients(x, self.mudd_w1[0], self.mudd_w2[0], self.mudd_b2[0],
+                                            M.LAST_LAYER_MUDD_COEFS)
+                mu = mu[:, :, None].unbind(1)  # 14 × (T, 1)
+                v_mudd = mu[0] * cache[0] + mu[1] * cache[7] + mu[2] * x
+                x = (1 + mu[5]) * x + mu[3] * cache[0] + mu[4] * cache[7]
+            if i in ATTN_LAYERS:
+                if 7 in cache:  # layers 8 and 10 share one norm(cache[7])
+                    if late_input is None:
+                        late_input = self._norm_with_head(cache[7])
+                    a, a_head = late_input
+                elif i in VALUE_EMBED_GATE_LAYERS:
+                    a, a_head = self._norm_with_head(x)
+                else:
+                    a, a_head = norm(x), None
+                aux_v = None
+                if i in VALUE_EMBED_GATE_LAYERS:
+                    w_gate = self.ve_gate_bank[VALUE_EMBED_GATE_LAYERS.index(i)]  # (H, 12)
+                    v_emb = ve_of_layer[i]
+                    gate_in = torch.cat([a_head, v_emb[:, :VALUE_EMBED_GATE_CHANNELS]], dim=-1)  # (T, 12)
+                    gamma = 2 * torch.sigmoid(gate_in @ w_gate.t())  # (T, H)
+                    aux_v = (gamma[:, :, None] * v_emb.view(T, H, hd)).view(T, -1)
+                elif i == MUDD_LAYER:  # heads of the first half gated by μ6, of the second by μ7
+                    gamma = torch.cat([mu[6].expand(T, H // 2), mu[7].expand(T, H // 2)], dim=1)
+                    aux_v = (gamma[:, :, None] * ve_of_layer[i].view(T, H, hd)).view(T, -1) + v_mudd
+                fold_o_gain = self.fused_residuals and i != MUDD_LAYER
+                long = i in LONG_WINDOW_LAYERS
+                args = AttnArgs(
+                    sa_lambdas=sa[i], cu_seqlens=cu_seqlens,
+                    window=(step.ws_long if long else step.ws_short) * WINDOW_BLOCK,
+                    yarn=self.yarn_wide if long else (self.yarn_paired if i in PAIRED_HEAD_LAYERS else self.yarn),
+                    key_offset=long, attn_gate=attn_gate.get(i), aux_v=aux_v, xsa_alpha=xsa.get(i),
+                    o_gain=p_attn[i] if fold_o_gain else None, fp8=use_fp8)
+                out = self.attn[str(i)](a, *attn_w[i], args)  # (T, D)
+                if i == MUDD_LAYER:
+                    x = mu[8] * x + mu[9] * out + mu[10] * cache[0]
+                    x = x + mu[11] * ngram
+                elif fold_o_gain:
+                    x = scale(r_attn[i], x) + out
+                else:
+                    x = r_attn[i] * x + p_attn[i] * out
+            elif i == SKIP_LAYER:
+                x = x + torch.sigmoid(self.scalars[SKIP_LAMBDA_INDEX]).to(dt) * skip_gate * cache[SKIP_SOURCE]
+            else:
+                x = self._scale(r_attn[i], x)
+            if i != MUDD_LAYER:
+                if i in X0_INJECT_LAYERS:
+                    x = x + x0 * x0_gate[i]
+                if i in NGRAM_INJECT_LAYERS and i != 0:
+                    x = x + ngram * ngram_gate[i]
+
+            # --- MLP slot ---
+            if i in NO_MLP_LAYERS:
+                x = self._scale(r_mlp[i], x)
+            else:
+                m = norm(x)
+                m8 = fp8_state.quantize_input(m) if fp8_state is not None else None
+                if i == MUDD_LAYER:
+                    mlp_input_last = m
+                    x = mu[12] * x + mu[13] * mlp_slot_output(m, mlp_w, i, fp8_state, None, m8)
+                elif fp8_state is not None and self.fused_residuals:  # post λ folded into the fp8 scale
+                    x = scale(r_mlp[i], x) + mlp_slot_output(m, mlp_w, i, fp8_state, p_mlp[i], m8)
+                else:
+                    x = self._scale_add(r_mlp[i], x, p_mlp[i], mlp_slot_output(m, mlp_w, i, fp8_state, None, m8))
+                if i == PARALLEL_MLP_LAYER:  # same input, same post λ, bank slot 11
+                    if fp8_state is not None and self.fused_residuals:
+                        x = x + mlp_slot_output(m, mlp_w, PARALLEL_MLP_SLOT, fp8_state, p_mlp[i], m8)
+                    else:
+                        par = mlp_slot_output(m, mlp_w, PARALLEL_MLP_SLOT, fp8_state, None, m8)
+                        x = x + self._scale(p_mlp[i], par)
+            if i in CACHE_LAYERS:
+                cache[i] = x
+
+        # --- post-loop MUDD mix over 10 sources, then the final norm and the loss ---
+        mu_post, hidden = M.mudd_coefficients(x, self.mudd_w1[1], self.mudd_w2[1], self.mudd_b2[1],
+                                              M.POST_LOOP_MUDD_COEFS)
+        delta = M.mudd_group_deltas(hidden, self.mudd_w2g, M.POST_LOOP_MUDD_COEFS)
+        sources = [cache[0], cache[7], cache[9], ve[0], cache[3], ve[1], ve[3], ve[2], mlp_input_last, late_input[0]]
+        x = norm(M.post_loop_mix(x, sources, mu_post, delta))  # (T, D)
+
+        if not step.training:
+            return validation_loss(x, self.lm_head.weight, targets)
+        prefix = self.prefix_table[targets] if step.prefix_weight else None
+        return training_loss(x, self.lm_head.weight, targets, step.mtp_weights, prefix, step.prefix_weight,
+                             step.candidates, fp8=use_fp8)

@@ -1,0 +1,164 @@
+"""The output head and losses of record #360: softcapped cross-entropy with multi-token prediction,
+the prefix-token auxiliary term, the sampled (candidate-set) softmax, and the validation loss.
+
+Softcap: z = 23·σ((ℓ + 5)/7.5). Training loss of token t (record #360 modules §5.2), summed over
+the rank's tokens (not averaged):
+    L_t = Σ_k [t+k < T]·w_k·(lse_t − z_t[y_{t+k}]) + [p_t ≥ 0]·w_p·(lse_t − z_t[p_t])
+with the MTP weights w_k, p_t = prefix_table[y_t] and lse over the full vocabulary or over the
+step's candidate set C. MTP targets are the following rows' next-token targets, with no masking at
+document ends. In training the logits come from the fp8 lm_head (perf/fp8.py); validation uses
+bf16 logits and a softcap in bf16, then a plain fp32 cross-entropy averaged over tokens.
+
+This portable form computes σ and z in fp32 with the exact gradient of L; the fused CE kernel of the
+record caches σ in fp16 and sums all MTP weights into its softmax term even on the last K−1 rows
+(a quirk on <= 2 rows per rank), which the fast path's parity test must tolerate.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from perf.fp8 import fp8_lm_head
+
+SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5  # record #360: z = 23·σ((ℓ + 5)/7.5)
+LM_HEAD_INIT_STD = 0.005  # record #360
+SAMPLED_SWEEP_STRIDE = 20011  # record #360: negatives follow k ↦ 20011·k mod V (coprime to 50304)
+EVAL_CE_SLAB_ROWS = 32768  # record #360: validation CE slab
+SAMPLED_DRAW_FACTOR, SAMPLED_DRAW_EXTRA = 1.7, 256  # record #360: a sweep window of 1.7·need + 256
+
+
+class TransposedLinear(nn.Module):
+    """lm_head with its weight stored transposed, [in, out] = [D, V] (record #360's CastedLinearT)."""
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.weight
+
+
+def softcap(logits: Tensor) -> Tensor:
+    return SOFTCAP_A * torch.sigmoid((logits + SOFTCAP_B) / SOFTCAP_C)
+
+
+class _SoftcappedLoss(torch.autograd.Function):
+    """Σ_t L_t and its logit gradient in a few passes over [T, N], as the record's fused CE kernel.
+
+    z ∈ (0, 23], so lse = 23 + ln Σ exp(z − 23) needs no running max. The gradient is
+    ∂L/∂z_c = S_t·softmax(z_t)_c − Σ_k w_k·[y_{t+k} = c] − w_p·[p_t = c], with S_t the weight of
+    the terms present on row t, and ∂z/∂ℓ = (23/7.5)·σ·(1 − σ).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, picks: Tensor, pick_weights: Tensor) -> Tensor:
+        # picks [M, 2] (row, class) and their weights [M]: every (t, target) term of the loss
+        sig = logits.float().add(SOFTCAP_B).div_(SOFTCAP_C).sigmoid_()  # (T, N)
+        lse = SOFTCAP_A + torch.log((sig * SOFTCAP_A).sub_(SOFTCAP_A).exp_().sum(dim=-1))  # (T,)
+        rows, cols = picks.unbind(1)
+        total = (pick_weights * (lse[rows] - SOFTCAP_A * sig[rows, cols])).sum()
+        ctx.save_for_backward(sig, lse, picks, pick_weights)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        sig, lse, picks, pick_weights = ctx.saved_tensors
+        rows, cols = picks.unbind(1)
+        row_weight = torch.zeros_like(lse).index_add_(0, rows, pick_weights)  # S_t
+        grad = torch.exp(sig * SOFTCAP_A - lse[:, None]).mul_(row_weight[:, None])  # S_t·softmax
+        grad.index_put_((rows, cols), -pick_weights, accumulate=True)
+        grad.mul_(sig).mul_(1 - sig).mul_(grad_out * (SOFTCAP_A / SOFTCAP_C))
+        return grad, None, None
+
+
+def softcapped_loss_sum(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
+                        prefix_weight) -> Tensor:
+    """Σ_t L_t for logits [T, N] and targets (class positions in [0, N), others skipped) [T]."""
+    T, N = logits.shape
+    device = logits.device
+    rows = torch.arange(T, device=device)
+    picks, weights = [], []
+    for k in range(len(mtp_weights)):  # MTP: row t predicts targets[t + k]
+        picks.append(torch.stack([rows[: T - k], targets[k:]], dim=1))
+        weights.append(torch.as_tensor(mtp_weights[k], dtype=torch.float32, device=device).expand(T - k))
+    if prefix_targets is not None:
+        picks.append(torch.stack([rows, prefix_targets], dim=1))
+        weights.append(torch.as_tensor(prefix_weight, dtype=torch.float32, device=device).reshape(()).expand(T))
+    picks, weights = torch.cat(picks), torch.cat(weights)
+    valid = (picks[:, 1] >= 0) & (picks[:, 1] < N)
+    return _SoftcappedLoss.apply(logits, picks[valid], weights[valid])
+
+
+def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
+                  prefix_weight, candidates: Tensor | None = None, fp8: bool = True) -> Tensor:
+    """Summed training loss of the final normed rows x [T, D] (fp8 lm_head unless fp8=False).
+
+    candidates: the step's sorted class ids C (int64 [P]) for the sampled softmax, or None for the
+    full softmax. Every target must be in C; a prefix class outside C drops that prefix term.
+    """
+    V = lm_head_w.shape[1]
+    if candidates is not None:
+        position = torch.full((V + 1,), -1, dtype=torch.long, device=x.device)  # entry V: "no prefix"
+        position[candidates] = torch.arange(candidates.numel(), device=x.device)
+        targets = position[targets]
+        if bool((targets < 0).any()):
+            raise ValueError("training_loss: every target must be in the candidate set")
+        if prefix_targets is not None:
+            prefix_targets = position[torch.where(prefix_targets >= 0, prefix_targets, V)]
+    if fp8:
+        logits = fp8_lm_head(x, lm_head_w, candidates)
+    else:
+        w = lm_head_w if candidates is None else lm_head_w[:, candidates]
+        logits = (x @ w).float()
+    return softcapped_loss_sum(logits, targets, mtp_weights, prefix_targets, prefix_weight)
+
+
+def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token CE over the full vocabulary: bf16 logits and softcap, fp32 cross-entropy,
+    in slabs of EVAL_CE_SLAB_ROWS rows so the fp32 [rows, V] logits stay bounded."""
+    total = x.new_zeros((), dtype=torch.float32)
+    for lo in range(0, x.shape[0], EVAL_CE_SLAB_ROWS):
+        z = softcap(x[lo: lo + EVAL_CE_SLAB_ROWS] @ lm_head_w).float()  # softcap in the logits' dtype
+        total = total + F.cross_entropy(z, targets[lo: lo + EVAL_CE_SLAB_ROWS], reduction="sum")
+    return total / x.shape[0]
+
+
+class CandidateSampler:
+    """The sampled softmax's candidate sets (record #360 modules §3.2): no RNG, one set per step.
+
+    Every class that occurs as a target is in; the remaining P − U slots are negatives from a
+    stride sweep over the vocabulary, each rank starting at its own offset V·rank/world_size.
+    """
+
+    def __init__(self, vocab_size: int, rank: int = 0, world_size: int = 1):
+        self.vocab_size = vocab_size
+        sweep = (SAMPLED_SWEEP_STRIDE * torch.arange(vocab_size, dtype=torch.long)) % vocab_size
+        if torch.unique(sweep).numel() != vocab_size:
+            raise ValueError(f"CandidateSampler: stride {SAMPLED_SWEEP_STRIDE} is not coprime to V={vocab_size}")
+        self.sweep = torch.cat([sweep, sweep])  # twice, so every window is one slice
+        self.rank, self.world_size = rank, world_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.offset = self.vocab_size * self.rank // self.world_size
+
+    def candidates(self, targets: Tensor, num_candidates: int) -> Tensor:
+        """Sorted class ids C, int64 [P], for the rank's targets (host tensors)."""
+        V, P = self.vocab_size, num_candidates
+        marked = torch.zeros(V, dtype=torch.bool)
+        marked[targets.long().cpu()] = True
+        need = P - int(marked.sum())
+        if need < 0:
+            raise ValueError(f"CandidateSampler: {P} candidates cannot hold {P - need} distinct targets")
+        if need > 0:
+            draw = min(V, int(need * SAMPLED_DRAW_FACTOR) + SAMPLED_DRAW_EXTRA)
+            window = self.sweep[self.offset: self.offset + draw]
+            self.offset = (self.offset + draw) % V
+            fresh = window[~marked[window]]
+            if fresh.numel() >= need:
+                marked[fresh[:need]] = True
+            else:  # evenly spaced over every unmarked class
+                free = (~marked).nonzero().squeeze(1)
+                marked[free[:: free.numel() // need][:need]] = True
+        return marked.nonzero().squeeze(1)

@@ -1,0 +1,72 @@
+"""Every parameter and buffer of the model with its shape, dtype, count and optimizer, and the totals.
+
+Built on the meta device, so the record size costs no memory:
+
+    python -m model.summary --config record      # or dev, smoke
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from config import MODEL_PRESETS, ModelConfig
+from model.gpt import GPT
+
+# Optimizer of each parameter in record #360 (modules §10.2): ANVIL on the three banks, Adam on the rest.
+OPTIMIZER_GROUPS = {
+    "qk_bank": "anvil", "vo_bank": "anvil", "mlp_bank": "anvil",
+    "value_embeds": "adam (row-sparse)", "lm_head.weight": "adam (sharded)", "embed.weight": "adam (sharded)",
+}
+
+
+def build_on_meta(cfg: ModelConfig) -> GPT:
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
+def summary_rows(model: GPT) -> list[tuple[str, str, str, str, int, str]]:
+    """(kind, name, shape, dtype, count, optimizer) for every parameter and buffer."""
+    rows = []
+    for name, p in model.named_parameters():
+        rows.append(("param", name, str(list(p.shape)), str(p.dtype).removeprefix("torch."), p.numel(),
+                     OPTIMIZER_GROUPS.get(name, "adam")))
+    for name, b in model.named_buffers():
+        rows.append(("buffer", name, str(list(b.shape)), str(b.dtype).removeprefix("torch."), b.numel(), "-"))
+    return rows
+
+
+def parameter_count(model: GPT) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def format_summary(cfg: ModelConfig, model: GPT, world_size: int = 8) -> str:
+    rows = summary_rows(model)
+    header = ("kind", "name", "shape", "dtype", "count", "optimizer")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(str(v).rjust(w) if i == 4 else str(v).ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
+    lines = [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
+    n_params = parameter_count(model)
+    n_buffers = sum(r[4] for r in rows if r[0] == "buffer")
+    per_rank = cfg.ngram_rows // world_size
+    lines += ["",
+              f"parameters: {n_params:,}",
+              f"buffers: {n_buffers:,} elements",
+              f"n-gram table (not a parameter): {cfg.ngram_rows:,} rows × {cfg.model_dim} = "
+              f"{cfg.ngram_rows * cfg.model_dim:,} ({per_rank:,} rows, "
+              f"{per_rank * cfg.model_dim * 2 / 2 ** 30:.2f} GiB bf16 per rank on {world_size} ranks)"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="record", choices=sorted(MODEL_PRESETS))
+    parser.add_argument("--world-size", type=int, default=8, help="ranks the n-gram table is sharded over")
+    args = parser.parse_args(argv)
+    cfg = MODEL_PRESETS[args.config]
+    print(format_summary(cfg, build_on_meta(cfg), args.world_size))
+
+
+if __name__ == "__main__":
+    main()

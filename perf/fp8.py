@@ -1,0 +1,156 @@
+"""fp8 building blocks of the portable path: saturating casts, tile amaxes, `_scaled_mm` layouts.
+
+torch.float8_e4m3fn / float8_e5m2 casts and torch._scaled_mm run on CPU (torch >= 2.13), so the fp8
+recipe of record #360 (scales, clamps, delayed amaxes) runs in CPU tests exactly as on a GPU.
+Two rules hold everywhere: clamp before every fp8 cast (an e4m3fn overflow is NaN, not a
+saturation), and `_scaled_mm`'s second operand is column-major (cuBLASLt's layout; the CPU accepts
+either, so `col_major` keeps the portable path honest about what the GPU needs).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+E5M2_MAX = torch.finfo(E5M2).max  # 57344
+
+
+def quantize(x: Tensor, scale: Tensor | float, dtype: torch.dtype) -> Tensor:
+    """Saturating fp8 cast of x / scale: fp32 divide, clamp to the format's range, round to nearest."""
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-fmax, fmax).to(dtype)
+
+
+def col_major(t: Tensor) -> Tensor:
+    """The same [rows, cols] matrix stored column-major (strides (1, rows)), as _scaled_mm's mat2 wants."""
+    return t.t().contiguous().t()
+
+
+def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+              fast_accum: bool) -> Tensor:
+    """(a·scale_a) @ (b·scale_b) for fp8 a (row-major) and b (made column-major), fp32 0-D scales.
+
+    fast_accum is allowed only on forward GEMMs: with it a gradient GEMM can return NaN on H100.
+    """
+    if b.stride(0) != 1:
+        b = col_major(b)
+    return torch._scaled_mm(a.contiguous(), b, scale_a=scale_a.float().reshape(()),
+                            scale_b=scale_b.float().reshape(()), out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+def tile_amax(w: Tensor, tile: int = 64) -> Tensor:
+    """Per-tile max|w| of a [..., H, D] stack over a tile×tile grid (edges zero-padded): [..., n_tiles]."""
+    *lead, H, D = w.shape
+    th, td = -(-H // tile), -(-D // tile)
+    padded = torch.nn.functional.pad(w.detach().abs().float(), (0, td * tile - D, 0, th * tile - H))
+    tiles = padded.reshape(*lead, th, tile, td, tile).transpose(-3, -2)
+    return tiles.amax(dim=(-2, -1)).reshape(*lead, th * td)
+
+
+# The fp8 lm_head of record #360 (modules §5.3): per-tensor static scales.
+LM_HEAD_X_SCALE = 100 / 448  # record #360: the final normed rows (|x| <= √768 = 27.7) map to <= 124
+LM_HEAD_W_SCALE = 2.0 / 448  # record #360: lm_head entries up to ±2 are representable
+LM_HEAD_GRAD_SCALE = 0.75 / 8 / 448  # record #360: /8 moves the e5m2 flush-to-zero floor 3 octaves down
+
+
+def quantize_lm_head(w: Tensor) -> Tensor:
+    """e4m3 copy of lm_head [D, V] as record #360 caches it: clamp(bf16(w·(1/w_s)), ±448)."""
+    scaled = (w.float() * (1.0 / LM_HEAD_W_SCALE)).to(torch.bfloat16).float()
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+class Fp8LMHeadFunction(torch.autograd.Function):
+    """Logits x·W[:, cols] on the e4m3 grid (fp32 [T, N]); cols None = every column.
+
+    Forward: e4m3 x and W, fast accumulation, logits rounded to e4m3 (the kernel emits e4m3 logits).
+    Backward (the logit rounding passes the gradient straight through): e5m2 logit gradient with
+    grad_s; dx and dW without fast accumulation; dW is dense [D, V] with zeros outside `cols`.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, cols: Tensor | None) -> Tensor:
+        x_s = torch.tensor(LM_HEAD_X_SCALE, device=x.device)
+        w_s = torch.tensor(LM_HEAD_W_SCALE, device=x.device)
+        x8 = quantize(x, x_s, E4M3)  # (T, D)
+        w8 = quantize_lm_head(w)  # (D, V)
+        if cols is not None:
+            w8 = w8[:, cols]  # (D, P)
+        logits = scaled_mm(x8, w8, x_s, w_s, torch.float32, True)
+        ctx.save_for_backward(x8, w8, cols)
+        ctx.x_dtype, ctx.w_dtype, ctx.w_shape = x.dtype, w.dtype, w.shape
+        # the e4m3 logit bytes, read back through fp16 (exact for e4m3, and faster on CPU)
+        return logits.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).to(torch.float16).float()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x8, w8, cols = ctx.saved_tensors
+        x_s = torch.tensor(LM_HEAD_X_SCALE, device=g.device)
+        w_s = torch.tensor(LM_HEAD_W_SCALE, device=g.device)
+        g_s = torch.tensor(LM_HEAD_GRAD_SCALE, device=g.device)
+        g8 = quantize(g, g_s, E5M2)  # (T, N)
+        dx = scaled_mm(g8, w8.t(), g_s, w_s, ctx.x_dtype, False) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw_cols = scaled_mm(x8.t(), g8, x_s, g_s, ctx.w_dtype, False)  # (D, N)
+            if cols is None:
+                dw = dw_cols
+            else:  # densify: exact zeros outside the candidate columns
+                dw = torch.zeros(ctx.w_shape, dtype=ctx.w_dtype, device=g.device)
+                dw[:, cols] = dw_cols
+        return dx, dw, None
+
+
+def fp8_lm_head(x: Tensor, w: Tensor, cols: Tensor | None = None) -> Tensor:
+    """Training logits of lm_head w [D, V] for x [T, D] (over `cols` only, if given): fp32 [T, N]."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"fp8_lm_head: x {tuple(x.shape)} and lm_head {tuple(w.shape)} must be [T, D] and [D, V]")
+    return Fp8LMHeadFunction.apply(x, w, cols)
+
+
+# The packed fp8 QKV projection of record #360 training (modules §2.9): static scales for the input
+# and the output gradient, an exact per-layer weight scale, sa0 folded into the dequant scale.
+QKV_X_SCALE = 8.0 / 448  # record #360: normed attention inputs saturate beyond |x| = 8
+QKV_GRAD_SCALE = 1.0 / 448  # record #360: static e4m3 scale of the QKV output gradient
+
+
+class Fp8QKVFunction(torch.autograd.Function):
+    """qkv = x·(sa0·W)ᵀ for W = [W_qk; W_v] through e4m3, with sa0 riding the dequant scale.
+
+    Backward: the output gradient goes e4m3 with the static 1/448 scale; dW′ = g8ᵀ·x8 (= dL/d(sa0·W)),
+    d sa0 = ⟨dW′, W⟩ in fp32 against the master weight, dW = sa0·dW′; no fast accumulation.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_qk: Tensor, w_v: Tensor, sa0: Tensor) -> Tensor:
+        w = torch.cat([w_qk, w_v])  # (R, D)
+        x_s = torch.tensor(QKV_X_SCALE, device=x.device)
+        w_s = (w.detach().abs().amax().float().clamp(min=1e-12) / E4M3_MAX)  # exact, per layer
+        x8, w8 = quantize(x, x_s, E4M3), quantize(w, w_s, E4M3)
+        sa0_val = sa0.detach().float()
+        qkv = scaled_mm(x8, w8.t(), x_s, w_s * sa0_val, x.dtype, True)  # (T, R)
+        ctx.save_for_backward(x8, w8, w, sa0)
+        ctx.scales, ctx.split, ctx.dtypes = (x_s, w_s, sa0_val), w_qk.shape[0], (x.dtype, w.dtype)
+        return qkv
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x8, w8, w, sa0 = ctx.saved_tensors
+        x_s, w_s, sa0_val = ctx.scales
+        x_dtype, w_dtype = ctx.dtypes
+        g_s = torch.tensor(QKV_GRAD_SCALE, device=g.device)
+        g8 = quantize(g, g_s, E4M3)  # (T, R)
+        dw_folded = scaled_mm(g8.t(), x8, g_s, x_s, w_dtype, False)  # (R, D) = dL/d(sa0·W)
+        dx = scaled_mm(g8, w8, g_s, w_s * sa0_val, x_dtype, False)  # (T, D)
+        grad_sa0 = (dw_folded.float() * w.float()).sum().to(sa0.dtype) if ctx.needs_input_grad[3] else None
+        dw = (dw_folded.float() * sa0_val).to(w_dtype)
+        return dx, dw[: ctx.split], dw[ctx.split:], grad_sa0
+
+
+def fp8_qkv(x: Tensor, w_qk: Tensor, w_v: Tensor, sa0: Tensor) -> Tensor:
+    """Training QKV projection of the normed attention input x [T, D]: [T, rows(W_qk) + rows(W_v)]."""
+    if sa0.dim() != 0:
+        raise ValueError(f"fp8_qkv: sa0 must be 0-D, got {tuple(sa0.shape)}")
+    return Fp8QKVFunction.apply(x, w_qk, w_v, sa0)
