@@ -168,3 +168,64 @@ SCHEDULE_PRESETS = {
     "smoke": _smoke_schedule(),
 }
 OPTIM_PRESETS = {"record": OptimConfig(), "dev": OptimConfig(), "smoke": OptimConfig()}
+
+
+# ================================================================================================
+# Runs: one preset = model + schedule + optimizer + where it runs and what it reads (train_gpt.py).
+# ================================================================================================
+RECORD_WORLD_SIZE = 8  # record #360: the recipe's global batch is split over 8 ranks
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs. `virtual_world_size` is the number of ranks the recipe's batch is
+    split over; a run with fewer processes accumulates gradients over the missing ranks' batches
+    (process p plays ranks p·A .. p·A + A − 1, A = virtual_world_size / processes), so the math
+    does not depend on the process layout."""
+    name: str
+    model: ModelConfig
+    schedule: ScheduleConfig
+    optim: OptimConfig
+    device: str                     # "cuda" or "cpu" ("auto": cuda when available)
+    virtual_world_size: int
+    allowed_world_sizes: tuple[int, ...]
+    requires_fast_path: bool        # the record: SM90, Triton, fp8, FA3, compile, or refuse to start
+    data_path: str                  # folder holding the shards
+    train_pattern: str              # glob inside data_path
+    val_pattern: str
+    val_tokens: int                 # final validation tokens (a multiple of val_batch_tokens)
+    val_batch_tokens: int           # global tokens per validation step
+    val_every: int = 0              # 0: validate only at the end (record #360)
+    canonical_mask: bool = False    # record #92 (PR #350): drop (prev, cur) pairs GPT-2 never emits
+    warmup: bool = True             # untimed warmup at every schedule transition, then reset
+    seed: int | None = None         # None: unseeded, as records run
+    label: str = ""
+    records_dir: str = "records"
+    log_train_loss: bool = False    # a `train_loss` line per step (a host sync: off for records)
+    save_checkpoint: bool = False
+
+
+RUN_PRESETS = {
+    "record": RunConfig(
+        name="record", model=MODEL_PRESETS["record"], schedule=SCHEDULE_PRESETS["record"],
+        optim=OPTIM_PRESETS["record"], device="cuda", virtual_world_size=RECORD_WORLD_SIZE,
+        allowed_world_sizes=(8,), requires_fast_path=True, data_path="data/fineweb10B",
+        train_pattern="fineweb_train_*.bin", val_pattern="fineweb_val_*.bin",
+        val_tokens=10_485_760, val_batch_tokens=2_097_152,  # record #360: 5 val steps of 4·64·1024·8
+        canonical_mask=True),
+    "dev": RunConfig(
+        name="dev", model=MODEL_PRESETS["dev"], schedule=SCHEDULE_PRESETS["dev"],
+        optim=OPTIM_PRESETS["dev"], device="cuda", virtual_world_size=RECORD_WORLD_SIZE,
+        allowed_world_sizes=(1, 2, 4, 8), requires_fast_path=False, data_path="data/fineweb10B",
+        train_pattern="fineweb_train_*.bin", val_pattern="fineweb_val_*.bin",
+        val_tokens=10_485_760, val_batch_tokens=2_097_152, canonical_mask=True),
+    # CPU (gloo), minutes on 2 cores: 2 virtual ranks, so 1 or 2 processes run the same math.
+    "smoke": RunConfig(
+        name="smoke", model=MODEL_PRESETS["smoke"], schedule=SCHEDULE_PRESETS["smoke"],
+        optim=OPTIM_PRESETS["smoke"], device="auto", virtual_world_size=2,
+        allowed_world_sizes=(1, 2), requires_fast_path=False, data_path="data/tinyshakespeare",
+        train_pattern="*_train_*.bin", val_pattern="*_val_*.bin",
+        # tinyshakespeare's documents (paragraphs) average ~46 tokens: 4096 per rank fit the
+        # 128-row cu_seqlens table. Validating every 35 steps gives the untrained loss at step 0.
+        val_tokens=32_768, val_batch_tokens=8_192, val_every=35, log_train_loss=True),
+}

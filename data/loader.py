@@ -286,6 +286,18 @@ class TrainLoader:
         self.close()
 
 
+def dummy_batch(tokens_per_rank: int, doc_cap: int, *, seed: int = 0, virtual_seq_cap: int = VIRTUAL_SEQ_CAP,
+                ngram_half_rows: int = NGRAM_HALF_ROWS, sign_pool_rows: int = NGRAM_SIGN_POOL_ROWS) -> Batch:
+    """A batch of random tokens with the geometry of a real one (documents of doc_cap tokens, the
+    virtual cap, the padded cu_seqlens): the untimed warmup runs on these, never on the data."""
+    rng = np.random.default_rng(seed)
+    buf = rng.integers(0, BOS_ID, tokens_per_rank + 1).astype(np.uint16)  # (T+1,)
+    buf[::doc_cap] = BOS_ID
+    pieces = [min(doc_cap, tokens_per_rank - start) for start in range(0, tokens_per_rank, doc_cap)]
+    return _make_batch(buf, attention_segment_ends(pieces, virtual_seq_cap), min(doc_cap, virtual_seq_cap), ngram_half_rows, sign_pool_rows, False,
+                       f"warmup batch of {tokens_per_rank} tokens")
+
+
 # ------------------------------------------------------------------------------------------------
 # Validation batches
 

@@ -177,6 +177,11 @@ class GPT(nn.Module):
         with torch.no_grad():
             self.prefix_table.copy_(table)
 
+    def reset_rotary(self) -> None:
+        """Back to the initial YaRN tables and attention scales (after the untimed warmup)."""
+        for table in (self.yarn, self.yarn_paired, self.yarn_wide):
+            table.reset()
+
     def rescale_rotary(self, old: tuple[int, int], new: tuple[int, int]) -> None:
         """Window change (ws_short, ws_long) old → new in blocks: YaRN on the three tables."""
         if old[1] != new[1]:

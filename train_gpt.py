@@ -1,0 +1,412 @@
+"""One speedrun, top to bottom: the record #360 recipe (README record #92, ANVIL2) or a smaller preset.
+
+    torchrun --standalone --nproc_per_node=8 train_gpt.py                                 # the record
+    torchrun --standalone --nproc_per_node=1 train_gpt.py --config dev                    # one GPU
+    torchrun --standalone --nproc_per_node=2 train_gpt.py --config smoke --data-path DIR  # CPU, minutes
+
+args → config → setup → build → warmup → reset → timed loop → final validation → log.
+The clock follows upstream's rules: warmup (compilation, one step per schedule geometry) is untimed
+and undone in place; the clock starts after a barrier; per-run work (prefix table, canonical mask,
+validation batch reads, tail-average ship) is on the clock; validation forwards are not.
+Math lives in model/ and optim/, speed in perf/, batches in data/, logs in records/.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # record #360
+
+import argparse
+import datetime
+import glob
+import resource
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from config import RUN_PRESETS, RunConfig
+from data.loader import TrainLoader, dummy_batch, val_batches
+from data.shards import shard_num_tokens
+from model.embeddings import NgramTable
+from model.gpt import GPT, StepArgs
+from model.loss import CandidateSampler
+from model.prefix import build_prefix_table
+from optim.manager import NgramRowOptimizer, OptimizerManager, pull_rows
+from optim.schedule import TrainingSchedule
+from optim.tail_average import TailAverages
+from perf import backend as perf_backend
+from records.run_log import format_peak_memory_line, format_step_line, format_val_line, read_source
+from records.run_record import RunRecorder, check_finite
+
+REPO_ROOT = Path(__file__).resolve().parent
+PRINT_EVERY = 25  # record #360: a step line every 25 steps, plus the last two
+MIB = 1 << 20
+
+
+# ----------------------------------------------------------------------------------------------------
+# args → config
+# ----------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Presets: record (8×H100, the #360 recipe; refuses anything else), dev (1-8 "
+                                        "CUDA GPUs, same recipe, gradient accumulation), smoke (CPU/gloo, minutes).")
+    ap.add_argument("--config", default="record", choices=sorted(RUN_PRESETS), help="preset (default: record)")
+    ap.add_argument("--data-path", default=os.environ.get("DATA_PATH"),
+                    help="folder holding the train and val shards (env DATA_PATH; default: the preset's)")
+    ap.add_argument("--steps", type=int, default=os.environ.get("NUM_SCHEDULED_ITERATIONS"),
+                    help="base scheduled steps before growth and extension (record: 1122; env NUM_SCHEDULED_ITERATIONS)")
+    ap.add_argument("--seed", type=int, default=os.environ.get("TRAIN_SEED"),
+                    help="seed every rank's RNG (env TRAIN_SEED); records run unseeded")
+    ap.add_argument("--val-every", type=int, default=None, help="validate every N steps (0: only at the end)")
+    ap.add_argument("--val-tokens", type=int, default=None, help="tokens of each validation")
+    ap.add_argument("--label", default=None, help="a label stored in runs.jsonl (group runs with it in the report)")
+    ap.add_argument("--records-dir", default=None, help="where logs/ and runs.jsonl go (default: records)")
+    ap.add_argument("--no-canonical-mask", action="store_true", help="validate without record #92's canonical mask")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warmup (never for records)")
+    ap.add_argument("--log-train-loss", action="store_true", help="log the training loss every step (syncs the host)")
+    ap.add_argument("--save-checkpoint", action="store_true", help="save model, optimizer, step, config and code at the end")
+    ap.add_argument("--eval-checkpoint", type=Path, default=None, metavar="DIR",
+                    help="only run the final validation of a checkpoint saved by --save-checkpoint")
+    args = ap.parse_args(argv)
+
+    cfg = RUN_PRESETS[args.config]
+    overrides = {"data_path": args.data_path, "val_every": args.val_every, "val_tokens": args.val_tokens,
+                 "label": args.label, "records_dir": args.records_dir,
+                 "seed": int(args.seed) if args.seed is not None else None}
+    cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    if args.steps is not None:
+        cfg = replace(cfg, schedule=replace(cfg.schedule, base_steps=int(args.steps)))
+    if args.no_canonical_mask:
+        cfg = replace(cfg, canonical_mask=False)
+    if args.no_warmup:
+        cfg = replace(cfg, warmup=False)
+    if args.log_train_loss:
+        cfg = replace(cfg, log_train_loss=True)
+    if args.save_checkpoint:
+        cfg = replace(cfg, save_checkpoint=True)
+    return cfg, args
+
+
+# ----------------------------------------------------------------------------------------------------
+# setup: processes, devices, the checks that must fail before any training
+# ----------------------------------------------------------------------------------------------------
+
+
+class Setup:
+    """This process's place in the run: rank, world, device, and which virtual ranks it plays."""
+
+    def __init__(self, cfg: RunConfig):
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        if want_cuda and not torch.cuda.is_available():
+            raise RuntimeError(f"--config {cfg.name} needs CUDA GPUs, but torch.cuda.is_available() is False "
+                               f"(torch {torch.__version__}); use --config smoke on a CPU machine")
+        self.device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+        if want_cuda:
+            torch.cuda.set_device(self.device)
+        self.backend = perf_backend.current()
+        self.is_master = self.rank == 0
+        # gradient accumulation: process p plays virtual ranks p·A .. p·A + A − 1
+        self.accum = cfg.virtual_world_size // self.world_size if self.world_size else 0
+        self.virtual_ranks = list(range(self.rank * self.accum, (self.rank + 1) * self.accum))
+
+    def check(self, cfg: RunConfig) -> None:
+        if self.world_size not in cfg.allowed_world_sizes or cfg.virtual_world_size % self.world_size:
+            raise RuntimeError(f"--config {cfg.name} runs on {' or '.join(map(str, cfg.allowed_world_sizes))} "
+                               f"process(es), got WORLD_SIZE={self.world_size} (torchrun --nproc_per_node)")
+        if cfg.requires_fast_path:
+            perf_backend.require_fast_path(self.backend)
+
+    def init_process_group(self) -> None:
+        if self.world_size > 1:
+            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(minutes=10))
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def data_files(cfg: RunConfig) -> tuple[str, str]:
+    """The train and val globs, checked to match files and to hold enough tokens for the schedule."""
+    root = Path(cfg.data_path)
+    if not root.is_absolute() and not root.exists():
+        root = REPO_ROOT / root
+    train_glob, val_glob = str(root / cfg.train_pattern), str(root / cfg.val_pattern)
+    how = ("python data/cached_fineweb10B.py 9" if "fineweb" in cfg.train_pattern else
+           "python data/tokenize.py YOUR_TEXT... --out DIR, then --data-path DIR")
+    for kind, pattern in (("training", train_glob), ("validation", val_glob)):
+        if not glob.glob(pattern):
+            raise FileNotFoundError(f"no {kind} shards match {pattern}: get them with `{how}` "
+                                    f"(or point --data-path / DATA_PATH at them)")
+    schedule = TrainingSchedule(cfg.schedule)
+    needed = sum(schedule.batch_tokens(s) + cfg.virtual_world_size for s in range(schedule.total_steps))
+    have = sum(shard_num_tokens(f) for f in sorted(glob.glob(train_glob)))
+    if have < needed:
+        raise ValueError(f"training data too small: the {schedule.total_steps}-step schedule reads at least "
+                         f"{needed:,} tokens but {train_glob} holds {have:,}; add shards (`{how}`) or "
+                         f"shorten the schedule (--steps)")
+    return train_glob, val_glob
+
+
+# ----------------------------------------------------------------------------------------------------
+# build
+# ----------------------------------------------------------------------------------------------------
+
+
+class Run:
+    """The model, its n-gram table shard, the optimizers and the per-rank samplers of one run."""
+
+    def __init__(self, cfg: RunConfig, setup: Setup):
+        self.cfg, self.setup = cfg, setup
+        if cfg.seed is not None:
+            torch.manual_seed(cfg.seed)
+        self.schedule = TrainingSchedule(cfg.schedule)
+        self.model = GPT(cfg.model, fp8=setup.backend.fp8).to(setup.device)
+        if setup.world_size > 1:  # every rank starts from rank 0's weights and sign pool
+            for t in [*self.model.parameters(), self.model.ngram_sign_pool]:
+                dist.broadcast(t.data, 0)
+        self.table = NgramTable(cfg.model, setup.rank, setup.world_size, device=setup.device)
+        self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim)
+        self.ngram_opt = NgramRowOptimizer(self.table.rows, self.table.rows.size(0), self.manager)
+        self.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size)
+                         for r in setup.virtual_ranks]
+        self.windows = self.schedule.windows(0)
+        self.initial_state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        self.model.refresh_fp8()  # the fp8 weight caches, before the first training forward
+
+    def pull(self, batch):
+        """This batch's n-gram rows from their owners, as a leaf that collects the sink gradient."""
+        rows = pull_rows(self.table.rows, self.table.lo, self.table.hi, batch.ngram_ids.to(self.setup.device),
+                         self.setup.world_size)
+        return rows.detach().requires_grad_(True)
+
+    def set_windows(self, windows: tuple[int, int], yarn: bool = True) -> None:
+        if windows != self.windows and yarn:
+            self.model.rescale_rotary(self.windows, windows)
+        self.windows = windows
+
+    def train_step(self, step: int, batches) -> torch.Tensor:
+        """Forward and backward of this process's batches, then every optimizer. Returns the summed
+        loss of the process's tokens (detached)."""
+        s = self.schedule.settings(step)
+        self.set_windows((s.ws_short, s.ws_long))
+        total = torch.zeros((), device=self.setup.device)
+        for sampler, batch in zip(self.samplers, batches):
+            batch = batch.to(self.setup.device, non_blocking=True)
+            rows = self.pull(batch)
+            candidates = sampler.candidates(batch.targets, s.softmax_p).to(self.setup.device) if s.softmax_p else None
+            args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=s.mtp_weights,
+                            prefix_weight=s.prefix_weight, candidates=candidates, training=True)
+            loss = self.model(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
+            (loss / self.setup.accum).backward()  # the record's gradient: the mean over 8 ranks of each rank's sum
+            self.ngram_opt.accumulate(batch.ngram_ids.to(self.setup.device), rows.grad)
+            total += loss.detach()
+        self.manager.step(step)
+        self.ngram_opt.step(step)
+        self.model.refresh_fp8()
+        return total
+
+    def reset(self) -> None:
+        """Undo the warmup in place (addresses unchanged): weights, optimizer state, table, samplers."""
+        with torch.no_grad():
+            for name, t in self.model.state_dict().items():
+                t.copy_(self.initial_state[name])
+            self.table.rows.zero_()
+        self.model.zero_grad(set_to_none=True)
+        self.manager.reset()
+        self.ngram_opt.reset()
+        for sampler in self.samplers:
+            sampler.reset()
+        self.model.reset_rotary()
+        self.windows = self.schedule.windows(0)
+        self.model.rearm_fp8()
+        self.model.refresh_fp8()
+
+    @torch.no_grad()
+    def validate(self, val_glob: str, windows: tuple[int, int]) -> float:
+        """Mean next-token loss over cfg.val_tokens (each process evaluates its virtual ranks)."""
+        cfg, setup = self.cfg, self.setup
+        per_rank = cfg.val_batch_tokens // cfg.virtual_world_size
+        streams = [val_batches(val_glob, r, cfg.virtual_world_size, per_rank, cfg.val_tokens,
+                               ngram_half_rows=self.table.half, sign_pool_rows=cfg.model.ngram_sign_rows)
+                   for r in setup.virtual_ranks]
+        args = StepArgs(ws_short=windows[0], ws_long=windows[1], training=False)
+        total = torch.zeros((), dtype=torch.float64, device=setup.device)
+        for step_batches in zip(*streams):
+            for batch in step_batches:
+                batch = batch.to(setup.device)
+                rows = pull_rows(self.table.rows, self.table.lo, self.table.hi, batch.ngram_ids, setup.world_size)
+                loss = self.model(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
+                total += loss.double() * batch.inputs.numel()
+        if setup.world_size > 1:
+            dist.all_reduce(total)
+        return total.item() / cfg.val_tokens
+
+
+def warmup_steps(schedule: TrainingSchedule) -> list[int]:
+    """One step per schedule geometry (batch, doc cap, P, MTP count, windows) and the step after it
+    (so Adam and table steps run too), plus the split step: every shape the clock will meet."""
+    seen, steps = set(), {schedule.split_step, schedule.split_step + 1}
+    for step in range(schedule.total_steps):
+        s = schedule.settings(step)
+        key = (s.batch_tokens, s.doc_cap, s.softmax_p, len(s.mtp_weights), s.ws_short, s.ws_long)
+        if key not in seen:
+            seen.add(key)
+            steps.update((step, step + 1))
+    return sorted(st for st in steps if st < schedule.total_steps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints
+# ----------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(run: Run, step: int, logs_dir: Path, run_id: str) -> Path:
+    """logs/<run_id>/state_step{step:06d}/: model.pt (rank 0) and rank{r}.pt (each rank's n-gram
+    shard and optimizer state), written to temp files and renamed."""
+    folder = logs_dir / run_id / f"state_step{step:06d}"
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def atomic_save(obj, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        torch.save(obj, tmp)
+        tmp.replace(path)
+
+    if run.setup.is_master:
+        atomic_save({"step": step, "config": asdict(run.cfg), "code": read_source(REPO_ROOT),
+                     "model": run.model.state_dict(), "world_size": run.setup.world_size}, folder / "model.pt")
+    atomic_save({"ngram_lo": run.table.lo, "ngram_hi": run.table.hi, "ngram_rows": run.table.rows,
+                 "optimizer": {name: e.state for name, e in run.manager.entries.items()},
+                 "optimizer_split": run.manager.split, "ngram_state": run.ngram_opt.state},
+                folder / f"rank{run.setup.rank}.pt")
+    return folder
+
+
+def load_checkpoint(run: Run, folder: Path) -> int:
+    """Model weights and this rank's n-gram rows (from whichever saved shards overlap them)."""
+    model_file = folder / "model.pt"
+    if not model_file.is_file():
+        raise FileNotFoundError(f"--eval-checkpoint {folder}: no model.pt there (expected a folder written by "
+                                f"--save-checkpoint: records/logs/<run_id>/state_stepNNNNNN)")
+    saved = torch.load(model_file, map_location=run.setup.device, weights_only=False)
+    run.model.load_state_dict(saved["model"])
+    for shard_file in sorted(folder.glob("rank*.pt")):
+        shard = torch.load(shard_file, map_location=run.setup.device, weights_only=False)
+        lo, hi = max(shard["ngram_lo"], run.table.lo), min(shard["ngram_hi"], run.table.hi)
+        if lo < hi:
+            run.table.rows[lo - run.table.lo: hi - run.table.lo] = shard["ngram_rows"][lo - shard["ngram_lo"]: hi - shard["ngram_lo"]]
+    run.model.refresh_fp8()
+    return saved["step"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the run
+# ----------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    cfg, args = parse_args(argv)
+    setup = Setup(cfg)
+    records = Path(cfg.records_dir) if Path(cfg.records_dir).is_absolute() else REPO_ROOT / cfg.records_dir
+    with RunRecorder(config=cfg.name, world_size=setup.world_size, rank=setup.rank, label=cfg.label,
+                     logs_dir=records / "logs", runs_path=records / "runs.jsonl") as rec:
+        log = rec.log
+        setup.check(cfg)
+        train_glob, val_glob = data_files(cfg)
+        setup.init_process_group()
+        log.print0(f"config {cfg.name}: {setup.world_size} process(es) × {setup.accum} accumulation step(s) "
+                   f"= {cfg.virtual_world_size} ranks of the recipe; device {setup.device}; backend {setup.backend}",
+                   console=True)
+
+        run = Run(cfg, setup)
+        schedule = run.schedule
+        n = schedule.total_steps
+        log.print0(f"[schedule] stage ends={schedule.stage_ends} steps={n} split={schedule.split_step}", console=True)
+
+        if args.eval_checkpoint is not None:
+            step = load_checkpoint(run, args.eval_checkpoint)
+            val_loss = run.validate(val_glob, schedule.final_windows())
+            log.print0(format_val_line(step, n, val_loss, 0.0), console=True)
+            rec.finish(val_loss=val_loss, train_time_ms=0.0, steps=step)
+            return
+
+        # warmup on dummy data at every schedule geometry (compiles on CUDA), then undo it in place
+        if cfg.warmup:
+            steps = warmup_steps(schedule)
+            log.print0(f"warming up on dummy data at steps {steps}", console=True)
+            for step in steps:
+                tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
+                batches = [dummy_batch(tokens, schedule.doc_cap(step), seed=step, ngram_half_rows=run.table.half,
+                                       sign_pool_rows=cfg.model.ngram_sign_rows) for _ in setup.virtual_ranks]
+                run.train_step(step, batches)
+            log.print0("resetting model and optimizer state", console=True)
+        run.reset()
+        tails = TailAverages(run.manager, schedule)
+        loader = TrainLoader(train_glob, setup.virtual_ranks, cfg.virtual_world_size,
+                             ngram_half_rows=run.table.half, sign_pool_rows=cfg.model.ngram_sign_rows,
+                             pin_memory=setup.device.type == "cuda")
+
+        # the clock
+        setup.synchronize()
+        train_ms, t0 = 0.0, time.perf_counter()
+        run.model.set_prefix_table(build_prefix_table(cfg.model.vocab_size).to(setup.device))
+        for step in range(n):
+            if cfg.val_every and step % cfg.val_every == 0:  # intermediate validation: off the clock
+                setup.synchronize()
+                train_ms += 1000 * (time.perf_counter() - t0)
+                val_loss = run.validate(val_glob, run.windows)
+                log.print0(format_val_line(step, n, val_loss, train_ms), console=True)
+                setup.synchronize()
+                t0 = time.perf_counter()
+            batches = loader.next_batches(schedule.batch_tokens(step) // cfg.virtual_world_size,
+                                          schedule.doc_cap(step))
+            loss_sum = run.train_step(step, batches)
+            tails.tick(step)
+            rec.progress(step + 1)
+            if cfg.log_train_loss or setup.device.type == "cpu" or (step + 1) % PRINT_EVERY == 0:
+                if setup.world_size > 1:
+                    dist.all_reduce(loss_sum)
+                train_loss = loss_sum.item() / schedule.batch_tokens(step)
+                check_finite(step, {"training loss (main + MTP + prefix terms)": train_loss})
+                if cfg.log_train_loss:
+                    log.print0(f"step:{step + 1}/{n} train_loss:{train_loss:.4f}", console=setup.device.type == "cpu")
+            if (step + 1) % PRINT_EVERY == 0 or step >= n - 2:
+                elapsed = train_ms + 1000 * (time.perf_counter() - t0)
+                log.print0(format_step_line(step + 1, n, elapsed), console=True)
+        # on the clock: the final windows (no YaRN re-application), the tail-average ship
+        loader.close()
+        run.set_windows(schedule.final_windows(), yarn=False)
+        tails.ship()
+        setup.synchronize()
+        train_ms += 1000 * (time.perf_counter() - t0)
+        log.flush()
+
+        val_loss = run.validate(val_glob, schedule.final_windows())
+        log.print0(format_val_line(n, n, val_loss, train_ms), console=True)
+        if setup.device.type == "cuda":
+            peak = (torch.cuda.max_memory_allocated() / MIB, torch.cuda.max_memory_reserved() / MIB)
+            log.print0(format_peak_memory_line(*peak), console=True)
+        else:
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+            peak = (rss, rss)
+            log.print0(f"peak host memory (maxrss, rank 0): {rss:.0f} MiB", console=True)
+        if cfg.save_checkpoint:
+            folder = save_checkpoint(run, n, records / "logs", log.run_id)
+            log.print0(f"checkpoint saved to {folder}", console=True)
+        rec.finish(val_loss=val_loss, train_time_ms=train_ms, steps=n, peak_memory_mib=peak)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
