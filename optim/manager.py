@@ -21,7 +21,8 @@ communication order of record #360 (record_360.md §3, §7; modules §10).
   gets momentum and decay at each event in both).
 * embed is tied to lm_head until the split step: embed's gradient is transposed into lm_head's
   before the reduce, and embed <- lm_head^T after the gather. At the split step lm_head's moments
-  are gathered, transposed and resharded into embed's.
+  are gathered, transposed and resharded into embed's. The transposes are perf/kernels/transpose.py's
+  (tiled Triton kernels on the fast path; fp32 sum, one rounding, as bf16 `add_` on the portable one).
 * Order: replicated all-reduces first (phase 0), then reduce-scatters in SCATTER_ORDER (phase 1),
   then waits + updates + all-gathers in WORK_ORDER (phase 2), then the lm_head gather and the tied
   copy (phase 3). Collectives are asynchronous (async_op=True) so later launches overlap earlier
@@ -48,6 +49,7 @@ from optim.adam import (EMBED, LM_HEAD, RECORD_PARAM_TABLE, VALUE_EMBEDS, AdamSt
 from optim.anvil import BankState, BankStepScalars, anvil_update, rail_settings, shape_lr_multiplier
 from optim.normuon import muon_momentum, normuon_update
 from optim.schedule import TrainingSchedule
+from perf.kernels.transpose import transpose_add_, transpose_into
 
 # record #360 (§7): launch the big bank reduce-scatters first; update the small parameters while
 # they are in flight; the mlp bank (largest gather) last. Replicated params go in phase 0.
@@ -246,7 +248,7 @@ class OptimizerManager:
         if self.tied and not self.split and adam_step and LM_HEAD in due:
             embed = self.entries[EMBED].param
             if embed.grad is not None:     # tied: embed's gradient trains lm_head
-                self.entries[LM_HEAD].param.grad.add_(embed.grad.mT)
+                transpose_add_(self.entries[LM_HEAD].param.grad, embed.grad)  # [D, V] += [V, D]^T
 
         # Phase 0: the replicated Adam params' all-reduces.
         replicated = [n for n, e in self.entries.items() if n in due and e.shard is None]
@@ -276,7 +278,7 @@ class OptimizerManager:
         for name in sorted(gathers, key=lambda n: n != LM_HEAD):
             self._finish_gather(self.entries[name], *gathers[name])
             if name == LM_HEAD and self.tied and not self.split:
-                self.entries[EMBED].param.data.copy_(self.entries[LM_HEAD].param.data.mT)
+                transpose_into(self.entries[EMBED].param.data, self.entries[LM_HEAD].param.data)
         # Clear the gradients that were consumed (Adam grads keep accumulating until their step).
         for name in due:
             self.entries[name].param.grad = None
@@ -337,7 +339,7 @@ class OptimizerManager:
         for key in ("exp_avg", "exp_avg_sq"):
             full = self._gather_rows(lm, getattr(lm.state, key))            # [D, V] fp32
             rows = slice(em.shard.lo, em.shard.lo + em.shard.chunk)
-            moment = em.shard.pad(embed_moments_from_lm_head(full, slice(None)))[rows]
+            moment = em.shard.pad(embed_moments_from_lm_head(full))[rows]
             getattr(em.state, key).copy_(moment)
         self.split = True
 
