@@ -41,11 +41,12 @@ from torch import Tensor, nn
 from config import ModelConfig
 from model import mudd as M
 from model.attention import AttnArgs, CausalSelfAttention
-from model.embeddings import NUM_VALUE_EMBED_PLANES, SMEAR_CHANNELS, ngram_embedding, ngram_sign_pool, smear, value_embeddings
+from model.embeddings import NUM_VALUE_EMBED_PLANES, SMEAR_CHANNELS, ngram_sign_pool, smear, value_embeddings
 from model.loss import LM_HEAD_INIT_STD, TransposedLinear, training_loss, validation_loss
 from model.mlp import NUM_MLP_SLOTS, PARALLEL_MLP_LAYER, PARALLEL_MLP_SLOT, mlp_slot_output
 from model.rotary import Yarn
 from perf.kernels.mlp import Fp8MLPState
+from perf.kernels.ngram_embed import ngram_embed
 from perf.residual_fusion import rms_norm_with_head, scale, scale_add
 
 # --- topology (record #360 modules §1.1) -----------------------------------------------------------
@@ -238,7 +239,7 @@ class GPT(nn.Module):
         r_attn, r_mlp = self.resid_lambdas.to(dt).unbind(1)  # record #360: λ's cast once per forward
         p_attn, p_mlp = self.post_lambdas.to(dt).unbind(1)
         sa = self.scalars.view(-1)[: 2 * NUM_LAYERS].view(NUM_LAYERS, 2)
-        ngram = ngram_embedding(ngram_rows, ngram_sign_rows, self.ngram_sign_pool).to(dt)  # (T, D)
+        ngram = ngram_embed(ngram_rows, self.ngram_sign_pool, ngram_sign_rows).to(dt)  # (T, D)
         ve = value_embeddings(self.value_embeds, inputs, cfg.vocab_size)  # 4 × (T, D)
         ve_of_layer = dict(zip(VALUE_EMBED_LAYERS, ve))
         attn_w = self.attn_weights()
