@@ -152,6 +152,11 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name not in ("post_lambdas", "resid_lambdas", "scalars", "mudd_gate_scale"):
                 p.data = p.data.to(dtype)
+        # Layer 7 has no MLP, so its bank slot (slot i serves layer i) is never read. The optimizer
+        # (optim/manager.py) reads this set of indices into the bank's [24, H_mlp, D] matrix view,
+        # (c_fc, c_proj) = (14, 15), and gives them lr 0: they never move, decay included
+        # (record #360 modules §10.2).
+        self.mlp_bank.frozen_matrices = frozenset(2 * layer + k for layer in NO_MLP_LAYERS for k in (0, 1))
 
         self.register_buffer("ngram_sign_pool", ngram_sign_pool(cfg).to(dtype))
         self.register_buffer("prefix_table", torch.full((V,), -1, dtype=torch.long), persistent=False)

@@ -65,3 +65,81 @@ def test_tied_transposes_take_the_transpose_ops(triton, monkeypatch):
         mgr.untie()
         assert mgr.split and calls[into] == 3                        # + exp_avg, exp_avg_sq
         assert torch.equal(mgr.entries[EMBED].state.exp_avg, mgr.entries[LM_HEAD].state.exp_avg.mT)
+
+
+# --- the real GPT ---------------------------------------------------------------------------------
+
+def _smoke_gpt(**changes):
+    import dataclasses
+
+    from config import MODEL_PRESETS
+    from model.gpt import GPT
+    torch.manual_seed(0)
+    return GPT(dataclasses.replace(MODEL_PRESETS["smoke"], **changes))
+
+
+def test_every_gpt_parameter_has_exactly_one_entry():
+    model = _smoke_gpt()
+    mgr = OptimizerManager(model.named_parameters(), RECORD)
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(mgr.entries) == sorted(names) == sorted(RECORD_PARAM_TABLE)
+    assert all(mgr.entries[n].param is p for n, p in model.named_parameters())
+    # a parameter added to the model without a table entry is named
+    model.extra_gate = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="'extra_gate'.*no optimizer entry"):
+        OptimizerManager(model.named_parameters(), RECORD)
+
+
+@pytest.fixture(scope="module")
+def record_gpt_on_meta():
+    """The record-size GPT on the meta device: shapes and dtypes, no memory (about 2 s)."""
+    from config import MODEL_PRESETS
+    from model.gpt import GPT
+    with torch.device("meta"):
+        return GPT(MODEL_PRESETS["record"])
+
+
+def test_record_gpt_on_meta_gets_the_record_table(record_gpt_on_meta):
+    """Record size without memory: every parameter has its entry and the banks the matrix views
+    of modules §10.2; the model marks mlp slot 7's matrices (14, 15) frozen."""
+    model = record_gpt_on_meta
+    with torch.device("meta"):
+        mgr = OptimizerManager(model.named_parameters(), RECORD)
+    assert sorted(mgr.entries) == sorted(RECORD_PARAM_TABLE)
+    views = {n: tuple(mgr.entries[n].view.shape) for n in ("qk_bank", "vo_bank", "mlp_bank")}
+    assert views == {"qk_bank": (48, 256, 768), "vo_bank": (16, 768, 768), "mlp_bank": (24, 2816, 768)}
+    assert model.mlp_bank.frozen_matrices == {14, 15}
+
+
+def test_frozen_mlp_slot_never_moves():
+    """Slot 7's matrices hold random c_fc weights that decay would shrink and (given a gradient)
+    ANVIL would move; with the model's declaration they stay bit for bit over bank and Adam steps.
+    (A small vocabulary: the embedding tables' Adam is not what this tests.)"""
+    model = _smoke_gpt(vocab_size=512)
+    mgr = OptimizerManager(model.named_parameters(), RECORD)
+    hidden, dim = model.mlp_bank.shape[-2:]
+    shape_mul = (hidden / dim) ** 0.5                    # max(1, rows / cols)^0.5
+    want = [0.0 if i in (14, 15) else shape_mul * (2 if i % 2 else 1) for i in range(24)]  # c_proj x2
+    assert mgr.entries["mlp_bank"].matrix_lr.flatten().tolist() == pytest.approx(want)
+    before = model.mlp_bank.detach().clone()
+    assert before[7, 0].abs().sum() > 0
+    g = torch.Generator().manual_seed(2)
+    for step in range(2):   # a bank-only step, then a bank + Adam step
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        mgr.step(step)
+    after = model.mlp_bank.detach()
+    assert torch.equal(after[7], before[7])
+    assert all(not torch.equal(after[s], before[s]) for s in range(12) if s != 7)
+
+
+def test_standin_is_the_gpt_parameter_list(record_gpt_on_meta):
+    """optim/standin.py stays for what the real GPT cannot give cheaply: bank matrix counts that
+    pad on 2 and 4 ranks (small) and record-shaped real tensors for bench_optim without the
+    model's buffers. It must keep the GPT's names, shapes (record) and dtypes."""
+    gpt = {n: (tuple(p.shape), p.dtype) for n, p in record_gpt_on_meta.named_parameters()}
+    with torch.device("meta"):
+        standin = {n: (tuple(p.shape), p.dtype) for n, p in StandInParams.record().named_parameters()}
+    assert standin == gpt
+    small = {n: (p.dim(), p.dtype) for n, p in StandInParams.small().named_parameters()}
+    assert small == {n: (len(shape), dtype) for n, (shape, dtype) in gpt.items()}
