@@ -30,7 +30,9 @@ communication order of record #360 (record_360.md §3, §7; modules §10).
   on torch 2.13 gloo); no PREMUL_SUM, no fp8 tensors.
 
 The n-gram table is not a parameter: `NgramRowOptimizer` (below) runs its row-sparse Adam on the
-rank's contiguous row shard, from the (row ids, sink gradient) pairs of each step.
+rank's contiguous row shard, from the (row ids, sink gradient) pairs of each step; `pull_rows`
+fetches a batch's rows from their owners for the forward, `gather_owned_rows` routes the
+gradients back.
 """
 from __future__ import annotations
 
@@ -395,6 +397,56 @@ def gather_owned_rows(row_ids: Tensor, grads: Tensor, lo: int, hi: int, world_si
     mine = (ids >= lo) & (ids < hi)
     ids, summed = merge_rows(ids[mine], summed[mine])
     return ids - lo, summed
+
+
+def pull_rows(table_shard: Tensor, lo: int, hi: int, row_ids: Tensor, world_size: int) -> Tensor:
+    """Rows `row_ids` [N] (global ids, any order, repeats allowed) of a table whose rows are split
+    into contiguous per-rank ranges; this rank owns rows [lo, hi) as `table_shard` [hi - lo, D].
+    Returns [N, D] in the shard's dtype, bit-exact copies: e.g. the batch's 2T n-gram rows that
+    the forward takes as `ngram_rows` (make the result a leaf with requires_grad for the sink).
+
+    Portable version of record #360's pull (modules §4.5: counts, ids, rows in three
+    all_to_alls; gloo-compatible): all ranks all-gather their distinct ids (padded to the largest
+    count) and their [lo, hi); each owner answers every asker with the rows it owns (zeros in the
+    other slots) in one all_to_all; each asker keeps, per id, the answer of its owner."""
+    if table_shard.dim() != 2 or table_shard.size(0) != hi - lo:
+        raise ValueError(f"pull_rows: table_shard must be [hi - lo = {hi - lo}, D], got {tuple(table_shard.shape)}")
+    if row_ids.dim() != 1:
+        raise ValueError(f"pull_rows: row_ids must be [N], got {tuple(row_ids.shape)}")
+    ids, inverse = torch.unique(row_ids.long(), return_inverse=True)   # ask for each row once
+    device = table_shard.device
+    if world_size == 1:
+        if ids.numel() and (int(ids[0]) < lo or int(ids[-1]) >= hi):
+            raise IndexError(f"pull_rows: row ids span [{int(ids[0])}, {int(ids[-1])}], outside the "
+                             f"table's rows [{lo}, {hi})")
+        return table_shard[ids - lo][inverse]
+    meta = torch.tensor([ids.numel(), lo, hi], dtype=torch.int64, device=device)
+    metas = torch.empty(world_size * 3, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(metas, meta)
+    metas = metas.view(world_size, 3)                                 # (W, 3): count, lo, hi
+    width = int(metas[:, 0].max())
+    if width == 0:                                                    # nobody asks for anything
+        return table_shard.new_empty((row_ids.numel(), table_shard.size(1)))
+    padded = torch.full((width,), -1, dtype=torch.int64, device=device)
+    padded[:ids.numel()] = ids
+    asked = torch.empty(world_size * width, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(asked, padded)
+    asked = asked.view(world_size, width)                             # every rank's ids
+    # answer each asker: the rows this rank owns, zeros elsewhere (padding -1 is never owned)
+    mine = (asked >= lo) & (asked < hi)
+    answers = table_shard.new_zeros((world_size, width, table_shard.size(1)))
+    answers[mine] = table_shard[asked[mine] - lo]
+    received = torch.empty_like(answers)                              # received[o]: owner o's answer
+    dist.all_to_all_single(received, answers)
+    # keep, per id, the answer of the rank whose [lo, hi) holds it
+    owned = (ids[None, :] >= metas[:, 1:2]) & (ids[None, :] < metas[:, 2:3])  # (W, n)
+    if ids.numel() and not bool(owned.any(0).all()):
+        missing = ids[~owned.any(0)]
+        raise IndexError(f"pull_rows: no rank owns rows {missing[:8].tolist()} (ranks own "
+                         f"{[tuple(r) for r in metas[:, 1:].tolist()]})")
+    owner = owned.int().argmax(0)                                     # (n,)
+    rows = received[owner, torch.arange(ids.numel(), device=device)]  # (n, D)
+    return rows[inverse]
 
 
 class NgramRowOptimizer:
