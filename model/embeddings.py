@@ -23,15 +23,18 @@ SMEAR_CHANNELS = 12  # record #360: the smear gate reads the token's first 12 ch
 NUM_VALUE_EMBED_PLANES = 4  # record #360: planes for layers (1, 2, 8, 10)
 
 
-def value_embeddings(value_embeds: Tensor, inputs: Tensor, vocab_size: int) -> list[Tensor]:
+def value_embeddings(value_embeds: Tensor, inputs: Tensor, vocab_size: int,
+                     grad_buffer: Tensor | None = None) -> list[Tensor]:
     """The planes' rows for the batch's tokens: NUM_VALUE_EMBED_PLANES × (T, D).
 
     One gather over the flat table (row p·V + id), so the backward scatter-adds one gradient:
     each repeated row's gradients summed in fp32 and rounded once (record #360's value-embed
-    backward; a bf16 `F.embedding` backward would accumulate in bf16).
+    backward; a bf16 `F.embedding` backward would accumulate in bf16). With `grad_buffer` (the
+    optimizer's fp16 cycle sum, shaped like the table) the sums are added into it instead of
+    into a dense `.grad`.
     """
     offsets = vocab_size * torch.arange(NUM_VALUE_EMBED_PLANES, device=inputs.device)
-    rows = value_embed(value_embeds, inputs.long()[None, :] + offsets[:, None])  # (4, T, D)
+    rows = value_embed(value_embeds, inputs.long()[None, :] + offsets[:, None], grad_buffer)  # (4, T, D)
     return list(rows.unbind(0))
 
 

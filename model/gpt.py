@@ -25,7 +25,10 @@ Forward contract (B = 1; T tokens of the rank's packed batch):
 
 Hooks for the training loop: `refresh_fp8()` after every optimizer step; `rearm_fp8()` after the
 post-warmup reset; `rescale_rotary(old, new)` when the (ws_short, ws_long) windows change (YaRN);
-`set_prefix_table(build_prefix_table(V))` once the table is built (model/prefix.py).
+`set_prefix_table(build_prefix_table(V))` once the table is built (model/prefix.py);
+`value_embed_grad_buffer = manager.cycle_gradient("value_embeds")` once, so the value-embedding
+backward adds its row sums straight into the optimizer's fp16 cycle buffer (record #360 modules
+§10.5: `value_embeds` then never gets a dense `.grad`; without it the gradient is dense bf16).
 
     python -m model.summary --config record    # every parameter and buffer, built on "meta"
 """
@@ -167,6 +170,7 @@ class GPT(nn.Module):
             str(i): CausalSelfAttention(H, hd, *attn_widths(i, cfg), paired=i in PAIRED_HEAD_LAYERS)
             for i in ATTN_LAYERS})
         self.mlp_fp8 = Fp8MLPState(NUM_MLP_SLOTS, cfg.mlp_hidden_dim, D) if fp8 else None
+        self.value_embed_grad_buffer: Tensor | None = None  # the optimizer's, set by the training loop
 
     # --- hooks the training loop calls -------------------------------------------------------------
     def refresh_fp8(self) -> None:
@@ -245,7 +249,7 @@ class GPT(nn.Module):
         p_attn, p_mlp = self.post_lambdas.to(dt).unbind(1)
         sa = self.scalars.view(-1)[: 2 * NUM_LAYERS].view(NUM_LAYERS, 2)
         ngram = ngram_embed(ngram_rows, self.ngram_sign_pool, ngram_sign_rows).to(dt)  # (T, D)
-        ve = value_embeddings(self.value_embeds, inputs, cfg.vocab_size)  # 4 × (T, D)
+        ve = value_embeddings(self.value_embeds, inputs, cfg.vocab_size, self.value_embed_grad_buffer)  # 4 × (T, D)
         ve_of_layer = dict(zip(VALUE_EMBED_LAYERS, ve))
         attn_w = self.attn_weights()
         mlp_w = [slot.unbind(0) for slot in self.mlp_bank.unbind(0)]  # 12 × (c_fc, c_proj)

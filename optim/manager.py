@@ -177,6 +177,16 @@ class OptimizerManager:
             return Entry(name, param, rule, param.data, shard, state, held=held)
         return Entry(name, param, rule, param.data, None, AdamState.zeros_like(param.data), held=held)
 
+    def cycle_gradient(self, name: str) -> Tensor:
+        """The fp16 buffer that sums a table-cadence parameter's gradient over its update cycle
+        (value_embeds). A backward may add into it directly (GPT.value_embed_grad_buffer), as
+        record #360's value-embedding backward does; dense `.grad`s are added in at each step."""
+        held = self.entries[name].held
+        if held is None:
+            raise ValueError(f"parameter {name!r} has no cycle gradient buffer (only table-cadence "
+                             f"parameters do: {[n for n, e in self.entries.items() if e.held is not None]})")
+        return held
+
     def reset(self) -> None:
         """Zero every optimizer state and re-tie embed (after the untimed warmup)."""
         for e in self.entries.values():

@@ -143,3 +143,41 @@ def test_standin_is_the_gpt_parameter_list(record_gpt_on_meta):
     assert standin == gpt
     small = {n: (p.dim(), p.dtype) for n, p in StandInParams.small().named_parameters()}
     assert small == {n: (len(shape), dtype) for n, (shape, dtype) in gpt.items()}
+
+
+def test_value_embed_backward_fills_the_optimizer_cycle_buffer():
+    """GPT.value_embed_grad_buffer = manager.cycle_gradient("value_embeds"): the backward adds the
+    row sums into the fp16 buffer (no dense .grad), the same sums a dense bf16 .grad holds (to the
+    two formats' rounding), only on the batch's rows; the table event consumes and clears it."""
+    from model.gpt import StepArgs
+    T, V = 64, 512
+    g = torch.Generator().manual_seed(4)
+    inputs = torch.randint(0, 40, (T,), generator=g, dtype=torch.int32)    # repeats: sums matter
+    targets = torch.randint(0, V, (T,), generator=g)
+    cu = torch.tensor([0, T // 2, T], dtype=torch.int32)
+    rows = (0.1 * torch.randn(2 * T, 96, generator=g)).bfloat16()
+    signs = torch.randint(0, 8192, (2 * T,), generator=g, dtype=torch.int32)
+    grads = []
+    for buffered in (False, True):
+        model = _smoke_gpt(vocab_size=V)
+        mgr = OptimizerManager(model.named_parameters(), RECORD)
+        if buffered:
+            model.value_embed_grad_buffer = mgr.cycle_gradient("value_embeds")
+        model.refresh_fp8()
+        model(inputs, targets, cu, rows, signs, StepArgs()).backward()
+        grads.append(mgr.cycle_gradient("value_embeds").clone() if buffered else model.value_embeds.grad)
+    assert model.value_embeds.grad is None
+    dense, buffer = grads[0].double(), grads[1].double()
+    read = torch.zeros(4 * V, dtype=torch.bool)
+    read[(inputs.long()[None, :] + V * torch.arange(4)[:, None]).flatten()] = True
+    assert buffer[~read].abs().sum() == 0 and (buffer[read].abs().sum(-1) > 0).all()
+    torch.testing.assert_close(buffer, dense, rtol=2 ** -8, atol=1e-7)     # bf16 vs fp16 rounding
+    before = model.value_embeds.detach().clone()
+    mgr.step(0)                                                             # not a table event
+    assert torch.equal(model.value_embeds, before)
+    assert torch.equal(mgr.cycle_gradient("value_embeds").double(), buffer)   # held for the event
+    mgr.step(1)                                                             # table event
+    assert not torch.equal(model.value_embeds, before)
+    assert mgr.cycle_gradient("value_embeds").abs().sum() == 0
+    with pytest.raises(ValueError, match="cycle gradient buffer"):
+        mgr.cycle_gradient("qk_bank")
