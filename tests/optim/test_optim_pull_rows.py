@@ -1,6 +1,5 @@
 """pull_rows: a batch's rows of a row-sharded table, fetched from their owners, equal a lookup in
 the whole table (1 process; 2 gloo ranks with different, repeating and empty requests)."""
-import socket
 import subprocess
 import sys
 import textwrap
@@ -34,25 +33,18 @@ def requests(rank: int) -> list[torch.Tensor]:
 WORKER = textwrap.dedent(f'''
     import datetime, sys
     import torch, torch.distributed as dist
-    sys.path.insert(0, sys.argv[4])
+    sys.path.insert(0, sys.argv[1])
     from optim.manager import pull_rows
     from test_optim_pull_rows import full_table, requests
 
-    rank, world, port, _, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # torchrun's env://
+    rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = {ROWS} // world
     lo, hi = rank * per_rank, (rank + 1) * per_rank
     shard = full_table()[lo:hi].clone()
-    torch.save([pull_rows(shard, lo, hi, ids, world) for ids in requests(rank)], f"{{out}}.{{rank}}")
+    torch.save([pull_rows(shard, lo, hi, ids, world) for ids in requests(rank)], f"{{sys.argv[2]}}.{{rank}}")
     dist.destroy_process_group()
 ''')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_one_process_is_a_lookup():
@@ -69,22 +61,15 @@ def test_one_process_is_a_lookup():
 
 @pytest.mark.distributed
 def test_two_gloo_ranks_equal_a_lookup_of_the_whole_table(tmp_path):
-    world, port, out = 2, str(free_port()), tmp_path / "pulled"
+    world, out = 2, tmp_path / "pulled"
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), port,
-                               str(Path(__file__).parent), str(out)],
-                              cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    for r, p in enumerate(procs):
-        try:
-            log, _ = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"rank {r} of {world} timed out")
-        assert p.returncode == 0, f"rank {r} failed:\\n{log[-3000:]}"
+    # torchrun --standalone picks a free port itself
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(script), str(Path(__file__).parent), str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     table = full_table()
     for rank in range(world):
         got = torch.load(f"{out}.{rank}")
