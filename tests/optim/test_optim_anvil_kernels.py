@@ -69,12 +69,13 @@ def test_fast_path_calls_the_symmetric_kernels(shape, monkeypatch):
 @pytest.mark.triton
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fast_path_cascades_match_fp64_like_the_portable_path(shape):
-    """Measured relative Frobenius error against fp64: ANVIL 1.0-1.4e-2 on both paths (the
-    interpreter's truncating stores add ~1e-2 between the paths), Polar Express 4-7e-2 (its first
-    map's large coefficients amplify bf16 rounding, tests/optim/test_optim_anvil.py)."""
+    """Relative Frobenius error against an fp64 cascade, measured: ANVIL 5.2e-3 portable,
+    6.5-7.3e-3 Triton; Polar Express 1.5-1.7e-2 portable, 4.9-6.2e-2 Triton (its first map's
+    large coefficients amplify the interpreter's truncating bf16 stores; on a GPU the kernels
+    round). Bounds: twice the ANVIL measurement, and NorMuon's 0.1 of test_optim_anvil.py."""
     x = _bf16(shape)
     want_anvil, want_pe = fp64_cascade(x, ANVIL_MAPS, 1.05), fp64_cascade(x.float(), POLAR_EXPRESS_MAPS, 1.02)
     for triton in (False, True):
         with use_backend(triton=triton):
-            assert rel(anvil_cascade(x), want_anvil) < 2.5e-2, triton
+            assert rel(anvil_cascade(x), want_anvil) < 1.5e-2, triton
             assert rel(polar_express(x), want_pe) < 0.1, triton
