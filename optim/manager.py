@@ -382,6 +382,16 @@ class OptimizerManager:
 
 # --- the n-gram table -----------------------------------------------------------------------------
 
+def _all_gather_padded(t: Tensor, width: int, world_size: int, fill=0) -> Tensor:
+    """Every rank's t [n, ...] (n <= width, may differ by rank), padded with `fill` to width rows:
+    [W, width, ...]. One all_gather of equal-size tensors (gloo and NCCL)."""
+    padded = t.new_full((width, *t.shape[1:]), fill)
+    padded[:t.size(0)] = t
+    out = t.new_empty((world_size * width, *t.shape[1:]))
+    dist.all_gather_into_tensor(out, padded)
+    return out.view(world_size, width, *t.shape[1:])
+
+
 def gather_owned_rows(row_ids: Tensor, grads: Tensor, lo: int, hi: int, world_size: int) -> tuple[Tensor, Tensor]:
     """Every rank's (row id, gradient row) pairs for the rows [lo, hi) this rank owns, merged:
     (local row indices, fp32 gradient sums over ranks).
@@ -391,19 +401,10 @@ def gather_owned_rows(row_ids: Tensor, grads: Tensor, lo: int, hi: int, world_si
     record sums in fp16/bf16 on the way, this path in fp32."""
     ids, summed = merge_rows(row_ids, grads)
     if world_size > 1:
-        count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
-        counts = torch.empty(world_size, dtype=torch.int64, device=ids.device)
-        dist.all_gather_into_tensor(counts, count)
-        width = int(counts.max())
-        padded_ids = torch.full((width,), -1, dtype=ids.dtype, device=ids.device)
-        padded_ids[:ids.numel()] = ids
-        padded_grads = summed.new_zeros((width, summed.size(1)))
-        padded_grads[:ids.numel()] = summed
-        all_ids = torch.empty(world_size * width, dtype=ids.dtype, device=ids.device)
-        all_grads = summed.new_empty((world_size * width, summed.size(1)))
-        dist.all_gather_into_tensor(all_ids, padded_ids)
-        dist.all_gather_into_tensor(all_grads, padded_grads)
-        ids, summed = all_ids, all_grads
+        count = torch.tensor([[ids.numel()]], device=ids.device)
+        width = int(_all_gather_padded(count, 1, world_size).max())
+        ids = _all_gather_padded(ids, width, world_size, fill=-1).flatten()        # (W·width,)
+        summed = _all_gather_padded(summed, width, world_size).flatten(0, 1)     # (W·width, D)
     mine = (ids >= lo) & (ids < hi)
     ids, summed = merge_rows(ids[mine], summed[mine])
     return ids - lo, summed
@@ -430,18 +431,12 @@ def pull_rows(table_shard: Tensor, lo: int, hi: int, row_ids: Tensor, world_size
             raise IndexError(f"pull_rows: row ids span [{int(ids[0])}, {int(ids[-1])}], outside the "
                              f"table's rows [{lo}, {hi})")
         return table_shard[ids - lo][inverse]
-    meta = torch.tensor([ids.numel(), lo, hi], dtype=torch.int64, device=device)
-    metas = torch.empty(world_size * 3, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(metas, meta)
-    metas = metas.view(world_size, 3)                                 # (W, 3): count, lo, hi
+    meta = torch.tensor([[ids.numel(), lo, hi]], device=device)
+    metas = _all_gather_padded(meta, 1, world_size)[:, 0]              # (W, 3): count, lo, hi
     width = int(metas[:, 0].max())
     if width == 0:                                                    # nobody asks for anything
         return table_shard.new_empty((row_ids.numel(), table_shard.size(1)))
-    padded = torch.full((width,), -1, dtype=torch.int64, device=device)
-    padded[:ids.numel()] = ids
-    asked = torch.empty(world_size * width, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(asked, padded)
-    asked = asked.view(world_size, width)                             # every rank's ids
+    asked = _all_gather_padded(ids, width, world_size, fill=-1)       # (W, width): every rank's ids
     # answer each asker: the rows this rank owns, zeros elsewhere (padding -1 is never owned)
     mine = (asked >= lo) & (asked < hi)
     answers = table_shard.new_zeros((world_size, width, table_shard.size(1)))
