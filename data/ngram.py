@@ -10,22 +10,34 @@ calls these once per batch (record #360, modules §4.2-4.3).
     from data.ngram import ngram_row_ids, ngram_sign_rows, NGRAM_HALF_ROWS
     rows = ngram_row_ids(inputs, NGRAM_HALF_ROWS)  # (2T,) int32
     signs = ngram_sign_rows(inputs)                # (2T,) int32
+
+The sizes belong to the model (config.ModelConfig: ngram_rows, ngram_sign_rows); a loader for a
+given model takes `**ngram_hash_sizes(model_cfg)` so the hashes always index that model's tables.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from config import ModelConfig
+
 # Table size (record #360, modules §4.1): 84,602,880 rows, bigram half [0, h), trigram half [h, 2h).
-NGRAM_ROWS = 84_602_880  # record #360
+# The defaults are the record model's; other presets go through ngram_hash_sizes.
+NGRAM_ROWS = ModelConfig().ngram_rows  # record #360: 84,602,880
 NGRAM_HALF_ROWS = NGRAM_ROWS // 2  # 42,301,440
-NGRAM_SIGN_POOL_ROWS = 8192  # the shared +-1 sign pool (record #360, modules §4.3)
+NGRAM_SIGN_POOL_ROWS = ModelConfig().ngram_sign_rows  # record #360 (modules §4.3): 8192 rows of +-1
 
 # Odd multipliers of the hashes (record #360, modules §4.2 and §4.3), ordered x[t], x[t-1], x[t-2].
 BIGRAM_ROW_MULS = (36313, 27191)
 TRIGRAM_ROW_MULS = (17351, 60961, 45259)
 BIGRAM_SIGN_MULS = (48271, 30011)
 TRIGRAM_SIGN_MULS = (58699, 39779, 26801)
+
+
+def ngram_hash_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """The loader's n-gram keyword arguments for a model (data.loader.TrainLoader, val_batches):
+    the bigram half of the model's table and its sign-pool rows (smoke: 8192 and 8192)."""
+    return {"ngram_half_rows": cfg.ngram_rows // 2, "sign_pool_rows": cfg.ngram_sign_rows}
 
 
 def _as_int32(inputs) -> np.ndarray:

@@ -1,33 +1,40 @@
 """Input-side embeddings of record #360: value-embedding planes, the smear, the hashed n-gram table.
 
 * Value embeddings: `value_embeds` [4·V, D], plane p = rows [p·V, (p+1)·V), read by token id and
-  added to V on layers (1, 2, 8, 10).
+  added to V on layers (1, 2, 8, 10). The gather and its scatter-add backward (repeated rows summed
+  in fp32, one rounding) are perf/kernels/value_embed.py's `value_embed`.
 * Smear: x[t] += λ·σ(w·x[t][:12])·x[t−1] over the packed stream (x[0] unchanged).
 * N-gram table: ngram_rows × D bf16 rows, bigram half then trigram half, zero-initialized, and not a
   model parameter: each rank holds a contiguous 1/world_size shard (`NgramTable`). The caller
-  gathers a batch's 2T rows (first T bigram, last T trigram) and passes them to the forward with
-  their sign rows; `ngram_embedding` forms B[t] = row_bi·sign_bi + row_tri·sign_tri in fp32 with one
-  rounding. The cross-rank row exchange and the row-sparse Adam belong to the optimizer.
+  gathers a batch's 2T rows (first T bigram, last T trigram; optim/manager.py `pull_rows`) and
+  passes them to the forward with their sign rows; perf/kernels/ngram_embed.py's `ngram_embed` forms
+  B[t] = row_bi·sign_bi + row_tri·sign_tri in fp32 with one rounding. The row-sparse Adam belongs
+  to the optimizer.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from config import ModelConfig
+from perf.kernels.value_embed import value_embed
 
 SMEAR_CHANNELS = 12  # record #360: the smear gate reads the token's first 12 channels
 NUM_VALUE_EMBED_PLANES = 4  # record #360: planes for layers (1, 2, 8, 10)
 
 
-def value_embeddings(value_embeds: Tensor, inputs: Tensor, vocab_size: int) -> list[Tensor]:
+def value_embeddings(value_embeds: Tensor, inputs: Tensor, vocab_size: int,
+                     grad_buffer: Tensor | None = None) -> list[Tensor]:
     """The planes' rows for the batch's tokens: NUM_VALUE_EMBED_PLANES × (T, D).
 
-    One gather over the flat table (row p·V + id), so the backward builds one dense gradient.
+    One gather over the flat table (row p·V + id), so the backward scatter-adds one gradient:
+    each repeated row's gradients summed in fp32 and rounded once (record #360's value-embed
+    backward; a bf16 `F.embedding` backward would accumulate in bf16). With `grad_buffer` (the
+    optimizer's fp16 cycle sum, shaped like the table) the sums are added into it instead of
+    into a dense `.grad`.
     """
     offsets = vocab_size * torch.arange(NUM_VALUE_EMBED_PLANES, device=inputs.device)
-    rows = F.embedding(inputs.long()[None, :] + offsets[:, None], value_embeds)  # (4, T, D)
+    rows = value_embed(value_embeds, inputs.long()[None, :] + offsets[:, None], grad_buffer)  # (4, T, D)
     return list(rows.unbind(0))
 
 
@@ -35,21 +42,6 @@ def smear(x: Tensor, gate_w: Tensor, smear_lambda: Tensor) -> Tensor:
     """x [T, D] with each token (from the second on) mixing in the previous token's embedding."""
     gate = torch.sigmoid(x[1:, :SMEAR_CHANNELS] @ gate_w.t())  # (T−1, 1), reads the current token
     return torch.cat([x[:1], x[1:] + smear_lambda.to(x.dtype) * gate * x[:-1]])
-
-
-def ngram_embedding(rows: Tensor, sign_rows: Tensor, sign_pool: Tensor) -> Tensor:
-    """B [T, D] from the gathered rows [2T, D] (bigram then trigram) and sign rows int32 [2T].
-
-    Computed in fp32 and rounded once to the rows' dtype; the backward gives `rows` the gradient
-    dB·sign (the row-sparse "sink" when `rows` is a leaf that requires grad).
-    """
-    if rows.dim() != 2 or rows.shape[0] % 2 or sign_rows.shape != (rows.shape[0],):
-        raise ValueError(f"ngram_embedding: rows must be [2T, D] and sign rows int [2T], got "
-                         f"{tuple(rows.shape)} and {tuple(sign_rows.shape)}")
-    T = rows.shape[0] // 2
-    signs = sign_pool[sign_rows.long()].float()  # (2T, D) of ±1
-    out = rows[:T].float() * signs[:T] + rows[T:].float() * signs[T:]
-    return out.to(rows.dtype)
 
 
 def ngram_sign_pool(cfg: ModelConfig, generator: torch.Generator | None = None, device=None) -> Tensor:

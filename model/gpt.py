@@ -25,7 +25,10 @@ Forward contract (B = 1; T tokens of the rank's packed batch):
 
 Hooks for the training loop: `refresh_fp8()` after every optimizer step; `rearm_fp8()` after the
 post-warmup reset; `rescale_rotary(old, new)` when the (ws_short, ws_long) windows change (YaRN);
-`set_prefix_table(build_prefix_table(V))` once the table is built (model/prefix.py).
+`set_prefix_table(build_prefix_table(V))` once the table is built (model/prefix.py);
+`value_embed_grad_buffer = manager.cycle_gradient("value_embeds")` once, so the value-embedding
+backward adds its row sums straight into the optimizer's fp16 cycle buffer (record #360 modules
+§10.5: `value_embeds` then never gets a dense `.grad`; without it the gradient is dense bf16).
 
     python -m model.summary --config record    # every parameter and buffer, built on "meta"
 """
@@ -41,11 +44,12 @@ from torch import Tensor, nn
 from config import ModelConfig
 from model import mudd as M
 from model.attention import AttnArgs, CausalSelfAttention
-from model.embeddings import NUM_VALUE_EMBED_PLANES, SMEAR_CHANNELS, ngram_embedding, ngram_sign_pool, smear, value_embeddings
+from model.embeddings import NUM_VALUE_EMBED_PLANES, SMEAR_CHANNELS, ngram_sign_pool, smear, value_embeddings
 from model.loss import LM_HEAD_INIT_STD, TransposedLinear, training_loss, validation_loss
 from model.mlp import NUM_MLP_SLOTS, PARALLEL_MLP_LAYER, PARALLEL_MLP_SLOT, mlp_slot_output
 from model.rotary import Yarn
 from perf.kernels.mlp import Fp8MLPState
+from perf.kernels.ngram_embed import ngram_embed
 from perf.residual_fusion import rms_norm_with_head, scale, scale_add
 
 # --- topology (record #360 modules §1.1) -----------------------------------------------------------
@@ -151,6 +155,11 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name not in ("post_lambdas", "resid_lambdas", "scalars", "mudd_gate_scale"):
                 p.data = p.data.to(dtype)
+        # Layer 7 has no MLP, so its bank slot (slot i serves layer i) is never read. The optimizer
+        # (optim/manager.py) reads this set of indices into the bank's [24, H_mlp, D] matrix view,
+        # (c_fc, c_proj) = (14, 15), and gives them lr 0: they never move, decay included
+        # (record #360 modules §10.2).
+        self.mlp_bank.frozen_matrices = frozenset(2 * layer + k for layer in NO_MLP_LAYERS for k in (0, 1))
 
         self.register_buffer("ngram_sign_pool", ngram_sign_pool(cfg).to(dtype))
         self.register_buffer("prefix_table", torch.full((V,), -1, dtype=torch.long), persistent=False)
@@ -161,6 +170,7 @@ class GPT(nn.Module):
             str(i): CausalSelfAttention(H, hd, *attn_widths(i, cfg), paired=i in PAIRED_HEAD_LAYERS)
             for i in ATTN_LAYERS})
         self.mlp_fp8 = Fp8MLPState(NUM_MLP_SLOTS, cfg.mlp_hidden_dim, D) if fp8 else None
+        self.value_embed_grad_buffer: Tensor | None = None  # the optimizer's, set by the training loop
 
     # --- hooks the training loop calls -------------------------------------------------------------
     def refresh_fp8(self) -> None:
@@ -243,8 +253,8 @@ class GPT(nn.Module):
         r_attn, r_mlp = self.resid_lambdas.to(dt).unbind(1)  # record #360: λ's cast once per forward
         p_attn, p_mlp = self.post_lambdas.to(dt).unbind(1)
         sa = self.scalars.view(-1)[: 2 * NUM_LAYERS].view(NUM_LAYERS, 2)
-        ngram = ngram_embedding(ngram_rows, ngram_sign_rows, self.ngram_sign_pool).to(dt)  # (T, D)
-        ve = value_embeddings(self.value_embeds, inputs, cfg.vocab_size)  # 4 × (T, D)
+        ngram = ngram_embed(ngram_rows, self.ngram_sign_pool, ngram_sign_rows).to(dt)  # (T, D)
+        ve = value_embeddings(self.value_embeds, inputs, cfg.vocab_size, self.value_embed_grad_buffer)  # 4 × (T, D)
         ve_of_layer = dict(zip(VALUE_EMBED_LAYERS, ve))
         attn_w = self.attn_weights()
         mlp_w = [slot.unbind(0) for slot in self.mlp_bank.unbind(0)]  # 12 × (c_fc, c_proj)

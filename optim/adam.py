@@ -15,6 +15,8 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from perf.kernels.transpose import transpose_into
+
 
 @dataclass(frozen=True)
 class ParamRule:
@@ -134,10 +136,11 @@ def adam_update(p: Tensor, grad: Tensor, state: AdamState, betas: tuple[float, f
     p.copy_(pf - update)
 
 
-def embed_moments_from_lm_head(lm_head_moment: Tensor, rows: slice) -> Tensor:
-    """At the split: embed's moment shard = rows of the full lm_head moment transposed.
-    lm_head is stored [D, V] and embed [V, D], so embed's vocab rows are lm_head's columns."""
-    return lm_head_moment.mT[rows].clone()
+def embed_moments_from_lm_head(lm_head_moment: Tensor) -> Tensor:
+    """At the split: embed's full moment [V, D] is the full lm_head moment [D, V] transposed
+    (lm_head is stored [D, V]: embed's vocab rows are lm_head's columns)."""
+    out = lm_head_moment.new_empty(lm_head_moment.shape[::-1])
+    return transpose_into(out, lm_head_moment)
 
 
 # --- the n-gram table's row-sparse Adam -------------------------------------------------------

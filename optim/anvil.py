@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from perf.kernels.symmetric_matmul import poly, xtx, xxt
+
 # Six quintic maps X <- aX + b(XX^T)X + c(XX^T)^2 X, re-derived for record #360 (not Polar
 # Express). The product of the a's is 643.13 (the small-singular-value gain); on normalized
 # singular values in [3e-3, 1/1.05] the composed map stays inside [0.9951, 1.00041].
@@ -37,20 +39,22 @@ def is_tall(x: Tensor) -> bool:
 
 
 def gram(x: Tensor) -> Tensor:
-    """The small Gram matrix of each matrix in the batch: X^T X if tall, else X X^T (bf16)."""
-    return x.mT @ x if is_tall(x) else x @ x.mT
+    """The small Gram matrix of each matrix in the batch: X^T X if tall, else X X^T (bf16).
+    Symmetric, so the fast path computes only its upper tiles (perf/kernels/symmetric_matmul.py)."""
+    return xtx(x) if is_tall(x) else xxt(x)
 
 
 def quintic_maps(x: Tensor, maps, first_gram: Tensor | None = None) -> Tensor:
     """Apply X <- aX + X(bA + cA^2) (tall) or aX + (bA + cA^2)X (wide), A = the small Gram, for
-    each (a, b, c) in `maps`, in the dtype of x (bf16 as on the GPU). `first_gram` is reused for
-    the first map (ANVIL has it from the normalization)."""
+    each (a, b, c) in `maps`, in bf16 as on the GPU. `first_gram` is reused for the first map
+    (ANVIL has it from the normalization). The symmetric products (the Gram A and bA + cA^2) go
+    through perf/kernels/symmetric_matmul.py; the X update is a plain GEMM (not symmetric)."""
     tall = is_tall(x)
     split = x.size(-2) > SPLIT_BADDBMM_MIN_ROWS
     fused = torch.baddbmm if x.dim() == 3 else torch.addmm
     for k, (a, b, c) in enumerate(maps):
         a_mat = first_gram if (k == 0 and first_gram is not None) else gram(x)
-        b_mat = fused(a_mat, a_mat, a_mat, beta=b, alpha=c)          # bA + cA^2
+        b_mat = poly(a_mat, b, c)                                     # bA + cA^2
         left, right = (x, b_mat) if tall else (b_mat, x)
         if split:
             x = (left @ right).add_(x, alpha=a)

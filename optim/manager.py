@@ -21,7 +21,8 @@ communication order of record #360 (record_360.md §3, §7; modules §10).
   gets momentum and decay at each event in both).
 * embed is tied to lm_head until the split step: embed's gradient is transposed into lm_head's
   before the reduce, and embed <- lm_head^T after the gather. At the split step lm_head's moments
-  are gathered, transposed and resharded into embed's.
+  are gathered, transposed and resharded into embed's. The transposes are perf/kernels/transpose.py's
+  (tiled Triton kernels on the fast path; fp32 sum, one rounding, as bf16 `add_` on the portable one).
 * Order: replicated all-reduces first (phase 0), then reduce-scatters in SCATTER_ORDER (phase 1),
   then waits + updates + all-gathers in WORK_ORDER (phase 2), then the lm_head gather and the tied
   copy (phase 3). Collectives are asynchronous (async_op=True) so later launches overlap earlier
@@ -29,7 +30,9 @@ communication order of record #360 (record_360.md §3, §7; modules §10).
   on torch 2.13 gloo); no PREMUL_SUM, no fp8 tensors.
 
 The n-gram table is not a parameter: `NgramRowOptimizer` (below) runs its row-sparse Adam on the
-rank's contiguous row shard, from the (row ids, sink gradient) pairs of each step.
+rank's contiguous row shard, from the (row ids, sink gradient) pairs of each step; `pull_rows`
+fetches a batch's rows from their owners for the forward, `gather_owned_rows` routes the
+gradients back.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from optim.adam import (EMBED, LM_HEAD, RECORD_PARAM_TABLE, VALUE_EMBEDS, AdamSt
 from optim.anvil import BankState, BankStepScalars, anvil_update, rail_settings, shape_lr_multiplier
 from optim.normuon import muon_momentum, normuon_update
 from optim.schedule import TrainingSchedule
+from perf.kernels.transpose import transpose_add_, transpose_into
 
 # record #360 (§7): launch the big bank reduce-scatters first; update the small parameters while
 # they are in flight; the mlp bank (largest gather) last. Replicated params go in phase 0.
@@ -173,6 +177,16 @@ class OptimizerManager:
             return Entry(name, param, rule, param.data, shard, state, held=held)
         return Entry(name, param, rule, param.data, None, AdamState.zeros_like(param.data), held=held)
 
+    def cycle_gradient(self, name: str) -> Tensor:
+        """The fp16 buffer that sums a table-cadence parameter's gradient over its update cycle
+        (value_embeds). A backward may add into it directly (GPT.value_embed_grad_buffer), as
+        record #360's value-embedding backward does; dense `.grad`s are added in at each step."""
+        held = self.entries[name].held
+        if held is None:
+            raise ValueError(f"parameter {name!r} has no cycle gradient buffer (only table-cadence "
+                             f"parameters do: {[n for n, e in self.entries.items() if e.held is not None]})")
+        return held
+
     def reset(self) -> None:
         """Zero every optimizer state and re-tie embed (after the untimed warmup)."""
         for e in self.entries.values():
@@ -246,7 +260,7 @@ class OptimizerManager:
         if self.tied and not self.split and adam_step and LM_HEAD in due:
             embed = self.entries[EMBED].param
             if embed.grad is not None:     # tied: embed's gradient trains lm_head
-                self.entries[LM_HEAD].param.grad.add_(embed.grad.mT)
+                transpose_add_(self.entries[LM_HEAD].param.grad, embed.grad)  # [D, V] += [V, D]^T
 
         # Phase 0: the replicated Adam params' all-reduces.
         replicated = [n for n, e in self.entries.items() if n in due and e.shard is None]
@@ -276,7 +290,7 @@ class OptimizerManager:
         for name in sorted(gathers, key=lambda n: n != LM_HEAD):
             self._finish_gather(self.entries[name], *gathers[name])
             if name == LM_HEAD and self.tied and not self.split:
-                self.entries[EMBED].param.data.copy_(self.entries[LM_HEAD].param.data.mT)
+                transpose_into(self.entries[EMBED].param.data, self.entries[LM_HEAD].param.data)
         # Clear the gradients that were consumed (Adam grads keep accumulating until their step).
         for name in due:
             self.entries[name].param.grad = None
@@ -337,7 +351,7 @@ class OptimizerManager:
         for key in ("exp_avg", "exp_avg_sq"):
             full = self._gather_rows(lm, getattr(lm.state, key))            # [D, V] fp32
             rows = slice(em.shard.lo, em.shard.lo + em.shard.chunk)
-            moment = em.shard.pad(embed_moments_from_lm_head(full, slice(None)))[rows]
+            moment = em.shard.pad(embed_moments_from_lm_head(full))[rows]
             getattr(em.state, key).copy_(moment)
         self.split = True
 
@@ -368,6 +382,16 @@ class OptimizerManager:
 
 # --- the n-gram table -----------------------------------------------------------------------------
 
+def _all_gather_padded(t: Tensor, width: int, world_size: int, fill=0) -> Tensor:
+    """Every rank's t [n, ...] (n <= width, may differ by rank), padded with `fill` to width rows:
+    [W, width, ...]. One all_gather of equal-size tensors (gloo and NCCL)."""
+    padded = t.new_full((width, *t.shape[1:]), fill)
+    padded[:t.size(0)] = t
+    out = t.new_empty((world_size * width, *t.shape[1:]))
+    dist.all_gather_into_tensor(out, padded)
+    return out.view(world_size, width, *t.shape[1:])
+
+
 def gather_owned_rows(row_ids: Tensor, grads: Tensor, lo: int, hi: int, world_size: int) -> tuple[Tensor, Tensor]:
     """Every rank's (row id, gradient row) pairs for the rows [lo, hi) this rank owns, merged:
     (local row indices, fp32 gradient sums over ranks).
@@ -377,22 +401,57 @@ def gather_owned_rows(row_ids: Tensor, grads: Tensor, lo: int, hi: int, world_si
     record sums in fp16/bf16 on the way, this path in fp32."""
     ids, summed = merge_rows(row_ids, grads)
     if world_size > 1:
-        count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
-        counts = torch.empty(world_size, dtype=torch.int64, device=ids.device)
-        dist.all_gather_into_tensor(counts, count)
-        width = int(counts.max())
-        padded_ids = torch.full((width,), -1, dtype=ids.dtype, device=ids.device)
-        padded_ids[:ids.numel()] = ids
-        padded_grads = summed.new_zeros((width, summed.size(1)))
-        padded_grads[:ids.numel()] = summed
-        all_ids = torch.empty(world_size * width, dtype=ids.dtype, device=ids.device)
-        all_grads = summed.new_empty((world_size * width, summed.size(1)))
-        dist.all_gather_into_tensor(all_ids, padded_ids)
-        dist.all_gather_into_tensor(all_grads, padded_grads)
-        ids, summed = all_ids, all_grads
+        count = torch.tensor([[ids.numel()]], device=ids.device)
+        width = int(_all_gather_padded(count, 1, world_size).max())
+        ids = _all_gather_padded(ids, width, world_size, fill=-1).flatten()        # (W·width,)
+        summed = _all_gather_padded(summed, width, world_size).flatten(0, 1)     # (W·width, D)
     mine = (ids >= lo) & (ids < hi)
     ids, summed = merge_rows(ids[mine], summed[mine])
     return ids - lo, summed
+
+
+def pull_rows(table_shard: Tensor, lo: int, hi: int, row_ids: Tensor, world_size: int) -> Tensor:
+    """Rows `row_ids` [N] (global ids, any order, repeats allowed) of a table whose rows are split
+    into contiguous per-rank ranges; this rank owns rows [lo, hi) as `table_shard` [hi - lo, D].
+    Returns [N, D] in the shard's dtype, bit-exact copies: e.g. the batch's 2T n-gram rows that
+    the forward takes as `ngram_rows` (make the result a leaf with requires_grad for the sink).
+
+    Portable version of record #360's pull (modules §4.5: counts, ids, rows in three
+    all_to_alls; gloo-compatible): all ranks all-gather their distinct ids (padded to the largest
+    count) and their [lo, hi); each owner answers every asker with the rows it owns (zeros in the
+    other slots) in one all_to_all; each asker keeps, per id, the answer of its owner."""
+    if table_shard.dim() != 2 or table_shard.size(0) != hi - lo:
+        raise ValueError(f"pull_rows: table_shard must be [hi - lo = {hi - lo}, D], got {tuple(table_shard.shape)}")
+    if row_ids.dim() != 1:
+        raise ValueError(f"pull_rows: row_ids must be [N], got {tuple(row_ids.shape)}")
+    ids, inverse = torch.unique(row_ids.long(), return_inverse=True)   # ask for each row once
+    device = table_shard.device
+    if world_size == 1:
+        if ids.numel() and (int(ids[0]) < lo or int(ids[-1]) >= hi):
+            raise IndexError(f"pull_rows: row ids span [{int(ids[0])}, {int(ids[-1])}], outside the "
+                             f"table's rows [{lo}, {hi})")
+        return table_shard[ids - lo][inverse]
+    meta = torch.tensor([[ids.numel(), lo, hi]], device=device)
+    metas = _all_gather_padded(meta, 1, world_size)[:, 0]              # (W, 3): count, lo, hi
+    width = int(metas[:, 0].max())
+    if width == 0:                                                    # nobody asks for anything
+        return table_shard.new_empty((row_ids.numel(), table_shard.size(1)))
+    asked = _all_gather_padded(ids, width, world_size, fill=-1)       # (W, width): every rank's ids
+    # answer each asker: the rows this rank owns, zeros elsewhere (padding -1 is never owned)
+    mine = (asked >= lo) & (asked < hi)
+    answers = table_shard.new_zeros((world_size, width, table_shard.size(1)))
+    answers[mine] = table_shard[asked[mine] - lo]
+    received = torch.empty_like(answers)                              # received[o]: owner o's answer
+    dist.all_to_all_single(received, answers)
+    # keep, per id, the answer of the rank whose [lo, hi) holds it
+    owned = (ids[None, :] >= metas[:, 1:2]) & (ids[None, :] < metas[:, 2:3])  # (W, n)
+    if ids.numel() and not bool(owned.any(0).all()):
+        missing = ids[~owned.any(0)]
+        raise IndexError(f"pull_rows: no rank owns rows {missing[:8].tolist()} (ranks own "
+                         f"{[tuple(r) for r in metas[:, 1:].tolist()]})")
+    owner = owned.int().argmax(0)                                     # (n,)
+    rows = received[owner, torch.arange(ids.numel(), device=device)]  # (n, D)
+    return rows[inverse]
 
 
 class NgramRowOptimizer:
