@@ -101,13 +101,15 @@ def softcapped_loss_sum_portable(logits: Tensor, targets: Tensor, mtp_weights, p
 # ------------------------------------------------------------------------------------------------
 # Triton kernel
 
+
 @triton.jit
 def _softcapped_ce_kernel(
     logits_ptr, targets_ptr, prefix_ptr, weights_ptr, row_loss_ptr, grad_ptr,
     T, N, stride_logits, stride_grad,
+    A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
     NUM_MTP: tl.constexpr, HAS_PREFIX: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program per row t: L_t into row_loss[t] and, with WRITE_GRAD, ∂L_t/∂ℓ_t into grad[t, :].
+    """One program per row t (softcap z = A·σ((ℓ + B)/C)): L_t into row_loss[t] and, with WRITE_GRAD, ∂L_t/∂ℓ_t into grad[t, :].
 
     Portable twin: `softcapped_loss_sum_portable` (row_loss.sum() is its value, grad its gradient for
     grad_out = 1). weights = [w_0, .., w_{K-1}, w_p] fp32. Two sweeps over the row: Σ exp(z − 23)
@@ -125,24 +127,26 @@ def _softcapped_ce_kernel(
     for k in tl.static_range(NUM_MTP):
         target = tl.load(targets_ptr + row + k, mask=row + k < T, other=-1)
         w = tl.where((target >= 0) & (target < N), tl.load(weights_ptr + k), 0.0)
-        ell = tl.load(row_logits + target, mask=w != 0.0, other=0.0).to(tl.float32)
+        target_logit = tl.load(row_logits + target, mask=w != 0.0, other=0.0).to(tl.float32)
         pick_weight += w
-        picked_z += w * SOFTCAP_A * tl.sigmoid((ell + SOFTCAP_B) / SOFTCAP_C)
+        picked_z += w * A * tl.sigmoid((target_logit + B) / C)
+    prefix = -1
+    prefix_weight = 0.0
     if HAS_PREFIX:
         prefix = tl.load(prefix_ptr + row)
-        w = tl.where((prefix >= 0) & (prefix < N), tl.load(weights_ptr + NUM_MTP), 0.0)
-        ell = tl.load(row_logits + prefix, mask=w != 0.0, other=0.0).to(tl.float32)
-        pick_weight += w
-        picked_z += w * SOFTCAP_A * tl.sigmoid((ell + SOFTCAP_B) / SOFTCAP_C)
+        prefix_weight = tl.where((prefix >= 0) & (prefix < N), tl.load(weights_ptr + NUM_MTP), 0.0)
+        prefix_logit = tl.load(row_logits + prefix, mask=prefix_weight != 0.0, other=0.0).to(tl.float32)
+        pick_weight += prefix_weight
+        picked_z += prefix_weight * A * tl.sigmoid((prefix_logit + B) / C)
 
     # sweep 1: lse = 23 + ln Σ exp(z − 23)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         in_row = n0 + cols < N
         ell = tl.load(row_logits + n0 + cols, mask=in_row, other=0.0).to(tl.float32)
-        z = SOFTCAP_A * tl.sigmoid((ell + SOFTCAP_B) / SOFTCAP_C)
-        acc += tl.where(in_row, tl.exp(z - SOFTCAP_A), 0.0)
-    lse = SOFTCAP_A + tl.log(tl.sum(acc, axis=0))
+        z = A * tl.sigmoid((ell + B) / C)
+        acc += tl.where(in_row, tl.exp(z - A), 0.0)
+    lse = A + tl.log(tl.sum(acc, axis=0))
     tl.store(row_loss_ptr + row, pick_weight * lse - picked_z)
 
     # sweep 2: ∂L/∂ℓ = (23/7.5)·σ(1 − σ)·(S·softmax − Σ w·[class = target])
@@ -152,15 +156,14 @@ def _softcapped_ce_kernel(
             c = n0 + cols
             in_row = c < N
             ell = tl.load(row_logits + c, mask=in_row, other=0.0).to(tl.float32)
-            sig = tl.sigmoid((ell + SOFTCAP_B) / SOFTCAP_C)
-            dz = pick_weight * tl.exp(SOFTCAP_A * sig - lse)
+            sig = tl.sigmoid((ell + B) / C)
+            dz = pick_weight * tl.exp(A * sig - lse)
             for k in tl.static_range(NUM_MTP):
                 target = tl.load(targets_ptr + row + k, mask=row + k < T, other=-1)
                 dz -= tl.where(c == target, tl.load(weights_ptr + k), 0.0)
             if HAS_PREFIX:
-                prefix = tl.load(prefix_ptr + row)
-                dz -= tl.where(c == prefix, tl.load(weights_ptr + NUM_MTP), 0.0)
-            grad = (SOFTCAP_A / SOFTCAP_C) * sig * (1.0 - sig) * dz
+                dz -= tl.where(c == prefix, prefix_weight, 0.0)
+            grad = (A / C) * sig * (1.0 - sig) * dz
             tl.store(row_grad + c, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
 
 
@@ -187,7 +190,7 @@ class _FusedSoftcappedLoss(torch.autograd.Function):
             _softcapped_ce_kernel[(T,)](
                 logits, targets, targets if prefix_targets is None else prefix_targets, weights, row_loss, grad,
                 T, N, logits.stride(0), grad.stride(0),
-                NUM_MTP=num_mtp, HAS_PREFIX=prefix_targets is not None, WRITE_GRAD=write_grad, **tiles,
+                A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, NUM_MTP=num_mtp, HAS_PREFIX=prefix_targets is not None, WRITE_GRAD=write_grad, **tiles,
             )
         if write_grad:
             ctx.save_for_backward(grad)
