@@ -279,6 +279,93 @@ def check_ngram_embed(ctx: Context) -> list[Result]:
     return results
 
 
+@register("cross_entropy")
+def check_cross_entropy(ctx: Context) -> list[Result]:
+    """The fused softcapped CE (loss + logit gradient) against its twin, forward and backward timed together."""
+    from perf.kernels import cross_entropy as ce
+
+    rows = ctx.shape(record=16384, tiny=9)  # one rank's rows at the CE (brief of issue 7)
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    results = []
+    # full softmax (V = 50304, as stages 3-4 run it: next token only) and the sampled width P = 10240
+    # with the MTP and prefix terms of stages 0-1 (record #360 modules §3.3, §5.2)
+    cases = [("full V", ctx.shape(record=50304, tiny=40), (1.0,), False),
+             ("sampled P", ctx.shape(record=10240, tiny=24), (1.0, 0.5, 0.25), True)]
+    for name, width, mtp, with_prefix in cases:
+        # logits on the e4m3 grid, as the fp8 lm_head emits them
+        logits = (3 * torch.randn((rows, width), device=ctx.device, generator=gen)).to(torch.float8_e4m3fn).float()
+        targets = torch.randint(0, width, (rows,), device=ctx.device, generator=gen)
+        prefix = torch.randint(-1, width, (rows,), device=ctx.device, generator=gen) if with_prefix else None
+        leaf = logits.requires_grad_()
+
+        def loss_and_grad(fn):
+            loss = fn(leaf, targets, mtp, prefix, 0.3)
+            return loss, torch.autograd.grad(loss, leaf)[0]
+
+        (got_loss, got_grad), (want_loss, want_grad) = loss_and_grad(ce.softcapped_loss_sum_triton), \
+            loss_and_grad(ce.softcapped_loss_sum_portable)
+        case = f"{name} ({rows},{width}) K={len(mtp)}{' +prefix' if with_prefix else ''}"
+        rel = abs(float(got_loss) - float(want_loss)) / max(abs(float(want_loss)), 1e-30)
+        # fp32 math in both; they differ only in the order of the Σ exp(z − 23) sums: rel ~ 1e-6
+        results.append(ctx.compare("cross_entropy", f"loss {case} fwd+bwd", rel, 1e-5, "rel",
+                                   lambda: loss_and_grad(ce.softcapped_loss_sum_triton),
+                                   lambda: loss_and_grad(ce.softcapped_loss_sum_portable)))
+        results.append(Result("cross_entropy", f"grad {case}", _max_abs(got_grad - want_grad), 1e-6, "abs"))
+        del got_grad, want_grad
+    return results
+
+
+def _attention_inputs(ctx: Context, T: int, requires_grad: bool):
+    """bf16 q/k [T, 6, 64], v [T, 6, 128] (the paired narrow layers' widths) and a few documents."""
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    q, k, v = (torch.randn((T, 6, d), device=ctx.device, generator=gen).bfloat16().requires_grad_(requires_grad)
+               for d in (64, 64, 128))
+    cuts = sorted({T // 7, T // 2, T // 2 + 3, (4 * T) // 5})
+    cu = torch.tensor([0, *cuts, T, T], dtype=torch.int32, device=ctx.device)
+    return q, k, v, cu
+
+
+def _attention_parity(ctx: Context, check: str, fn, T: int, window: int, paired: bool) -> Result:
+    """fn against SDPA on one layer's shapes: forward (and, on a GPU, the q/k/v gradients), max abs error."""
+    from perf.attention_backends import sdpa_varlen_attention
+
+    backward = ctx.device.type == "cuda"  # flex has no CPU backward; the dry run checks the forward
+    q, k, v, cu = _attention_inputs(ctx, T, backward)
+    grad = torch.randn((T, 6, 128), device=ctx.device).bfloat16()
+
+    def run(attend):
+        y = attend(q, k, v, cu, window, 0.12, paired=paired)
+        return [y] + (list(torch.autograd.grad(y, (q, k, v), grad)) if backward else [])
+
+    error = max(_max_abs(a.float() - b.float()) for a, b in zip(run(fn), run(sdpa_varlen_attention)))
+    case = f"{'paired ' if paired else ''}T={T} window={window} {'fwd+bwd' if backward else 'fwd'}"
+    # bf16 outputs of attention summed in different orders: a few bf16 ulps at |y| <~ 4
+    return ctx.compare(check, case, error, 0.05, "abs", lambda: run(fn), lambda: run(sdpa_varlen_attention))
+
+
+@register("attention_flex")
+def check_attention_flex(ctx: Context) -> list[Result]:
+    from perf.attention_backends import flex_varlen_attention
+
+    T = ctx.shape(record=4096, tiny=40)  # small T: the SDPA baseline materializes chunk × window masks
+    window = ctx.shape(record=384, tiny=9)  # record #360: stage 0 long window, 3 blocks of 128
+    return [_attention_parity(ctx, "attention_flex", flex_varlen_attention, T, window, paired) for paired in (False, True)]
+
+
+@register("attention_fa3")
+def check_attention_fa3(ctx: Context) -> list[Result]:
+    """FA3 loads (pinned revision, sha256 verified) and matches SDPA; a failed load is a failed row naming why."""
+    from perf import attention_backends as ab
+
+    if ctx.dry_run:
+        return [Result("attention_fa3", "not loaded in a dry run (needs CUDA and the kernels hub)", 0.0, 0.0, "-")]
+    try:
+        ab.load_fa3()
+    except RuntimeError as exc:
+        return [Result("attention_fa3", f"load {ab.FA3_REPO}@{ab.FA3_REVISION[:8]}", float("inf"), 0.0, "-", note=str(exc))]
+    return [_attention_parity(ctx, "attention_fa3", ab.fa3_varlen_attention, 4096, 384, paired) for paired in (False, True)]
+
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPU_TESTS_TIMEOUT_S = 240  # keeps the whole script inside its 8-minute budget
 
