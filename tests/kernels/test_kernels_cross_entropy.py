@@ -192,4 +192,4 @@ def test_kernel_on_gpu_ragged_rows(dtype):
     got_loss, got_grad = _loss_and_grad(ce.softcapped_loss_sum_triton, logits, targets, (1.0, 0.5, 0.25), prefix, 0.3)
     want_loss, want_grad = _loss_and_grad(ce.softcapped_loss_sum_portable, logits, targets, (1.0, 0.5, 0.25), prefix, 0.3)
     assert got_loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
-    assert ulp_distance(got_grad, want_grad, atol=1e-6) <= 1.0
+    assert ulp_distance(got_grad, want_grad, atol=2e-6) <= 1.0  # GPU exp is approximate: ~16 fp32 ulps at 1.4
