@@ -5,7 +5,7 @@ with the softcap z = 23·σ((ℓ + 5)/7.5) (record #360 modules §5.2):
     L_t = Σ_k [t+k < T]·w_k·(lse_t − z_t[y_{t+k}]) + [p_t ≥ 0]·w_p·(lse_t − z_t[p_t])
 where targets outside [0, N) are skipped. z ∈ (0, 23), so lse = 23 + ln Σ exp(z − 23) needs no
 running max (the record's fixed-max LSE). The gradient is written in the same launch:
-    ∂L/∂z_c = S_t·softmax(z_t)_c − Σ_k w_k·[y_{t+k} = c] − w_p·[p_t = c],   ∂z/∂ℓ = (23/7.5)·σ·(1 − σ)
+    ∂L/∂z_c = S_t·softmax(z_t)_c − Σ_k w_k·[y_{t+k} = c] − w_p·[p_t = c],  ∂z/∂ℓ = (23/7.5)·σ(1 − σ)
 with S_t the total weight of the terms present on row t, so the backward is one multiply by the
 incoming scalar gradient.
 
@@ -109,8 +109,9 @@ def _softcapped_ce_kernel(
     A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
     NUM_MTP: tl.constexpr, HAS_PREFIX: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program per row t (softcap z = A·σ((ℓ + B)/C)): L_t into row_loss[t] and, with WRITE_GRAD, ∂L_t/∂ℓ_t into grad[t, :].
+    """One program per row t: L_t into row_loss[t] and, with WRITE_GRAD, ∂L_t/∂ℓ_t into grad[t, :].
 
+    Softcap z = A·σ((ℓ + B)/C) with (A, B, C) = (23, 5, 7.5) passed as constexprs.
     Portable twin: `softcapped_loss_sum_portable` (row_loss.sum() is its value, grad its gradient for
     grad_out = 1). weights = [w_0, .., w_{K-1}, w_p] fp32. Two sweeps over the row: Σ exp(z − 23)
     (fixed max, z < 23), then the gradient; σ is recomputed in the second sweep instead of cached.
@@ -190,7 +191,8 @@ class _FusedSoftcappedLoss(torch.autograd.Function):
             _softcapped_ce_kernel[(T,)](
                 logits, targets, targets if prefix_targets is None else prefix_targets, weights, row_loss, grad,
                 T, N, logits.stride(0), grad.stride(0),
-                A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, NUM_MTP=num_mtp, HAS_PREFIX=prefix_targets is not None, WRITE_GRAD=write_grad, **tiles,
+                A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, NUM_MTP=num_mtp, HAS_PREFIX=prefix_targets is not None,
+                WRITE_GRAD=write_grad, **tiles,
             )
         if write_grad:
             ctx.save_for_backward(grad)
@@ -209,7 +211,8 @@ def softcapped_loss_sum_triton(logits: Tensor, targets: Tensor, mtp_weights, pre
     if len(mtp_weights) == 0:
         raise ValueError("softcapped_loss_sum: mtp_weights needs at least the next-token weight")
     device = logits.device
-    weights = torch.stack([_as_weight(w, device) for w in (*mtp_weights, 0.0 if prefix_weight is None else prefix_weight)])
+    prefix_weight = 0.0 if prefix_weight is None else prefix_weight
+    weights = torch.stack([_as_weight(w, device) for w in (*mtp_weights, prefix_weight)])  # [w_0..w_{K-1}, w_p]
     prefix = None if prefix_targets is None else prefix_targets.contiguous()
     return _FusedSoftcappedLoss.apply(logits, targets.contiguous(), prefix, weights, len(mtp_weights))
 
