@@ -63,6 +63,12 @@ def check_cu_seqlens(cu_seqlens: Tensor, num_tokens: int) -> None:
         raise ValueError("cu_seqlens must be non-decreasing")
 
 
+def _check_segments(cu_seqlens: Tensor, num_tokens: int) -> None:
+    """check_cu_seqlens, except inside torch.compile (reading cu_seqlens on the host would break the graph)."""
+    if not torch.compiler.is_compiling():
+        check_cu_seqlens(cu_seqlens, num_tokens)
+
+
 def _stream_layout(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, paired: bool):
     """Paired heads: the same memory seen as twice the positions with half the heads, segments doubled."""
     if not paired:
@@ -82,7 +88,7 @@ def sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w
     `window` positions before it), so the mask is [chunk, chunk + window], not [T, T].
     """
     T, H, _ = q.shape
-    check_cu_seqlens(cu_seqlens, T)
+    _check_segments(cu_seqlens, T)
     q, k, v, cu_seqlens = _stream_layout(q, k, v, cu_seqlens, paired)
     n = q.shape[0]
     seg = segment_ids(cu_seqlens, n)
@@ -97,12 +103,6 @@ def sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w
                                                       attn_mask=mask, scale=softmax_scale))
     y = torch.cat(outputs, dim=1)  # (heads, n, d_v)
     return y.transpose(0, 1).reshape(T, H, v.shape[-1])
-
-
-def _check_segments(cu_seqlens: Tensor, num_tokens: int) -> None:
-    """check_cu_seqlens, except inside torch.compile (reading cu_seqlens on the host would break the graph)."""
-    if not torch.compiler.is_compiling():
-        check_cu_seqlens(cu_seqlens, num_tokens)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -220,6 +220,9 @@ def fa3_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, wi
     T, H, _ = q.shape
     _check_segments(cu_seqlens, T)
     if max_seqlen is None:
+        if torch.compiler.is_compiling():
+            raise ValueError("fa3_varlen_attention inside torch.compile needs max_seqlen (reading it from "
+                             "cu_seqlens would break the graph): pass the configured maximum segment length")
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     q, k, v, cu_seqlens = _stream_layout(q, k, v, cu_seqlens, paired)
     if paired:

@@ -80,6 +80,18 @@ def test_fa3_wiring_through_a_fake_interface(monkeypatch, paired):
     assert calls[-1]["max_seqlen"] == scale * 64  # the caller's bound, not read from cu_seqlens
 
 
+def test_fa3_inside_compile_needs_max_seqlen(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ab, "_fa3_interface", _fake_fa3(calls))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as dynamo sees it while tracing
+    q, k, v = _qkv(8, 2, 4, 4)
+    cu = _cu_seqlens([3], 8)
+    with pytest.raises(ValueError, match="needs max_seqlen"):
+        ab.fa3_varlen_attention(q, k, v, cu, 2, 1.0)
+    ab.fa3_varlen_attention(q, k, v, cu, 2, 1.0, max_seqlen=8)
+    assert calls[-1]["max_seqlen"] == 8
+
+
 def test_dispatch_follows_the_backend(monkeypatch):
     calls = []
     for name in ("sdpa", "flex", "fa3"):
