@@ -9,9 +9,10 @@ step's candidate set C. MTP targets are the following rows' next-token targets, 
 document ends. In training the logits come from the fp8 lm_head (perf/fp8.py); validation uses
 bf16 logits and a softcap in bf16, then a plain fp32 cross-entropy averaged over tokens.
 
-This portable form computes σ and z in fp32 with the exact gradient of L; the fused CE kernel of the
-record caches σ in fp16 and sums all MTP weights into its softmax term even on the last K−1 rows
-(a quirk on <= 2 rows per rank), which the fast path's parity test must tolerate.
+The loss sum and its logit gradient are `softcapped_loss_sum` (perf/kernels/cross_entropy.py): the
+fused CE kernel on the fast path, its portable twin elsewhere, both σ and z in fp32 with the exact
+gradient of L (the record's kernel caches σ in fp16 and sums all MTP weights into its softmax term
+even on the last K−1 rows, a quirk on <= 2 rows per rank that ours leaves out).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from perf.fp8 import fp8_lm_head
+from perf.kernels.cross_entropy import SOFTCAP_A, SOFTCAP_B, SOFTCAP_C, softcapped_loss_sum  # noqa: F401
 
-SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5  # record #360: z = 23·σ((ℓ + 5)/7.5)
 LM_HEAD_INIT_STD = 0.005  # record #360
 SAMPLED_SWEEP_STRIDE = 20011  # record #360: negatives follow k ↦ 20011·k mod V (coprime to 50304)
 EVAL_CE_SLAB_ROWS = 32768  # record #360: validation CE slab
@@ -41,53 +42,6 @@ class TransposedLinear(nn.Module):
 
 def softcap(logits: Tensor) -> Tensor:
     return SOFTCAP_A * torch.sigmoid((logits + SOFTCAP_B) / SOFTCAP_C)
-
-
-class _SoftcappedLoss(torch.autograd.Function):
-    """Σ_t L_t and its logit gradient in a few passes over [T, N], as the record's fused CE kernel.
-
-    z ∈ (0, 23], so lse = 23 + ln Σ exp(z − 23) needs no running max. The gradient is
-    ∂L/∂z_c = S_t·softmax(z_t)_c − Σ_k w_k·[y_{t+k} = c] − w_p·[p_t = c], with S_t the weight of
-    the terms present on row t, and ∂z/∂ℓ = (23/7.5)·σ·(1 − σ).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, picks: Tensor, pick_weights: Tensor) -> Tensor:
-        # picks [M, 2] (row, class) and their weights [M]: every (t, target) term of the loss
-        sig = logits.float().add(SOFTCAP_B).div_(SOFTCAP_C).sigmoid_()  # (T, N)
-        lse = SOFTCAP_A + torch.log((sig * SOFTCAP_A).sub_(SOFTCAP_A).exp_().sum(dim=-1))  # (T,)
-        rows, cols = picks.unbind(1)
-        total = (pick_weights * (lse[rows] - SOFTCAP_A * sig[rows, cols])).sum()
-        ctx.save_for_backward(sig, lse, picks, pick_weights)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        sig, lse, picks, pick_weights = ctx.saved_tensors
-        rows, cols = picks.unbind(1)
-        row_weight = torch.zeros_like(lse).index_add_(0, rows, pick_weights)  # S_t
-        grad = torch.exp(sig * SOFTCAP_A - lse[:, None]).mul_(row_weight[:, None])  # S_t·softmax
-        grad.index_put_((rows, cols), -pick_weights, accumulate=True)
-        grad.mul_(sig).mul_(1 - sig).mul_(grad_out * (SOFTCAP_A / SOFTCAP_C))
-        return grad, None, None
-
-
-def softcapped_loss_sum(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
-                        prefix_weight) -> Tensor:
-    """Σ_t L_t for logits [T, N] and targets (class positions in [0, N), others skipped) [T]."""
-    T, N = logits.shape
-    device = logits.device
-    rows = torch.arange(T, device=device)
-    picks, weights = [], []
-    for k in range(len(mtp_weights)):  # MTP: row t predicts targets[t + k]
-        picks.append(torch.stack([rows[: T - k], targets[k:]], dim=1))
-        weights.append(torch.as_tensor(mtp_weights[k], dtype=torch.float32, device=device).expand(T - k))
-    if prefix_targets is not None:
-        picks.append(torch.stack([rows, prefix_targets], dim=1))
-        weights.append(torch.as_tensor(prefix_weight, dtype=torch.float32, device=device).reshape(()).expand(T))
-    picks, weights = torch.cat(picks), torch.cat(weights)
-    valid = (picks[:, 1] >= 0) & (picks[:, 1] < N)
-    return _SoftcappedLoss.apply(logits, picks[valid], weights[valid])
 
 
 def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,

@@ -1,4 +1,4 @@
-"""Varlen causal sliding-window attention backends. Portable path: SDPA with a dense boolean mask.
+"""Varlen causal sliding-window attention backends: FA3 (record), flex_attention (CUDA dev runs), SDPA (CPU).
 
 The packed batch of one rank holds many documents; `cu_seqlens` (int32 [R], trailing entries
 padded with T) marks their starts. A query sees the keys of its own segment at distances
@@ -7,14 +7,32 @@ padded with T) marks their starts. A query sees the keys of its own segment at d
 3..5, so heads h and h+3 share one attention stream, segments and window count interleaved
 positions. q/k and v may have different head widths (64/128 on the narrow layers).
 
-Queries run in chunks, each against the keys its window reaches, so the dense masks stay small;
-still, this path is for CPU tests and small runs: FA3 is the fast path.
+`varlen_attention` runs the backend `perf.backend.current().attention` names (SPEEDRUN_ATTENTION):
+  fa3   the record's patched FA3 build from the kernels hub (record #360 §2.7), pinned to a revision
+        and sha256-checked before first use; needs `pip install kernels` and, the first time,
+        network access to the Hugging Face Hub (later runs read the hub cache).
+  flex  torch's flex_attention with a block mask built from cu_seqlens and the window (compiled on
+        CUDA; on CPU it runs eagerly, forward only, for tests).
+  sdpa  the portable path: SDPA with a dense boolean mask. Queries run in chunks, each against the
+        keys its window reaches, so the masks stay small; still, it is for CPU tests and small runs.
+All three take q, k [T, H, d_qk], v [T, H, d_v] and return [T, H, d_v]; SDPA defines the math.
+`assert_record_backends()` is what the record preset calls at start-up: it raises unless the fast
+path (FA3, Triton, fp8, compile on SM90) is what will run.
+
+Run the tests: pytest tests/perf/test_perf_attention_backends.py tests/perf/test_perf_attention_sdpa.py -q
 """
 from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from perf.backend import Backend, current, require_fast_path
 
 
 def segment_ids(cu_seqlens: Tensor, num_positions: int) -> Tensor:
@@ -45,6 +63,23 @@ def check_cu_seqlens(cu_seqlens: Tensor, num_tokens: int) -> None:
         raise ValueError("cu_seqlens must be non-decreasing")
 
 
+def _check_segments(cu_seqlens: Tensor, num_tokens: int) -> None:
+    """check_cu_seqlens, except inside torch.compile (reading cu_seqlens on the host would break the graph)."""
+    if not torch.compiler.is_compiling():
+        check_cu_seqlens(cu_seqlens, num_tokens)
+
+
+def _stream_layout(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, paired: bool):
+    """Paired heads: the same memory seen as twice the positions with half the heads, segments doubled."""
+    if not paired:
+        return q, k, v, cu_seqlens
+    T, H, _ = q.shape
+    if H % 2:
+        raise ValueError(f"paired heads need an even head count, got {H}")
+    q, k, v = (t.reshape(2 * T, H // 2, t.shape[-1]) for t in (q, k, v))
+    return q, k, v, 2 * cu_seqlens
+
+
 def sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
                           softmax_scale: float, paired: bool = False, chunk: int = 2048) -> Tensor:
     """Attention of q, k [T, H, d_qk] and v [T, H, d_v] over the packed documents → [T, H, d_v].
@@ -53,12 +88,8 @@ def sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w
     `window` positions before it), so the mask is [chunk, chunk + window], not [T, T].
     """
     T, H, _ = q.shape
-    check_cu_seqlens(cu_seqlens, T)
-    if paired:  # the same memory seen as twice the positions with half the heads
-        if H % 2:
-            raise ValueError(f"paired heads need an even head count, got {H}")
-        q, k, v = (t.reshape(2 * T, H // 2, t.shape[-1]) for t in (q, k, v))
-        cu_seqlens = 2 * cu_seqlens
+    _check_segments(cu_seqlens, T)
+    q, k, v, cu_seqlens = _stream_layout(q, k, v, cu_seqlens, paired)
     n = q.shape[0]
     seg = segment_ids(cu_seqlens, n)
     pos = torch.arange(n, device=q.device)
@@ -72,3 +103,163 @@ def sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w
                                                       attn_mask=mask, scale=softmax_scale))
     y = torch.cat(outputs, dim=1)  # (heads, n, d_v)
     return y.transpose(0, 1).reshape(T, H, v.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------------
+# flex_attention: a block mask from cu_seqlens and the window
+
+FLEX_BLOCK_SIZE = 128  # flex_attention's default tile; blocks fully outside every window are skipped
+
+
+def flex_block_mask(cu_seqlens: Tensor, num_positions: int, window: int, block_size: int = FLEX_BLOCK_SIZE):
+    """flex_attention's BlockMask for the rule of `varlen_attention_mask`: same segment, 0 <= q − k <= window."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seg = segment_ids(cu_seqlens, num_positions)
+
+    def same_segment_in_window(batch, head, q_idx, kv_idx):
+        dist = q_idx - kv_idx
+        return (seg[q_idx] == seg[kv_idx]) & (dist >= 0) & (dist <= window)
+
+    return create_block_mask(same_segment_in_window, None, None, num_positions, num_positions,
+                             device=cu_seqlens.device, BLOCK_SIZE=block_size)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)  # eager flex materializes the full score matrix
+
+
+def _flex_attention_for(device: torch.device):
+    """Inside a compiled model the plain op (the model's graph compiles it); else compiled on CUDA, eager on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling() or device.type != "cuda":
+        return flex_attention
+    return _compiled_flex_attention()
+
+
+def flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
+                          softmax_scale: float, paired: bool = False) -> Tensor:
+    """`sdpa_varlen_attention` through flex_attention: compiled on CUDA, eager (forward only) on CPU."""
+    T, H, _ = q.shape
+    _check_segments(cu_seqlens, T)
+    q, k, v, cu_seqlens = _stream_layout(q, k, v, cu_seqlens, paired)
+    n = q.shape[0]
+    block_mask = flex_block_mask(cu_seqlens, n, window)
+    attend = _flex_attention_for(q.device)
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, n, d)
+    y = attend(q, k, v, block_mask=block_mask, scale=softmax_scale)  # (1, heads, n, d_v)
+    return y[0].transpose(0, 1).reshape(T, H, v.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------------
+# FA3: the record's patched build from the kernels hub, pinned and hash-checked
+
+FA3_REPO = "devenpzak/flash-attn3-12864"  # record #360 §2.7: takes (64, 128) and (128, 64) q/k vs v widths
+FA3_REVISION = "64c1e6d1f2780e7931839f41426ddcdb564a7cb9"  # record #360: the pinned commit
+FA3_BINARY_SHA256 = "9beee90dbef9c9c221e677dad9f932108b70c46aa35841fc0862281d5b84c09b"  # record #360
+FA3_BINARY_GLOB = "_flash_attn3_cuda_*.so"  # record #360: the file the hash is taken of
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_fa3_binary(package_dir: Path, expected_sha256: str = FA3_BINARY_SHA256) -> Path:
+    """The one FA3 binary in the downloaded package, after checking its sha256; raises naming what differs."""
+    binaries = sorted(Path(package_dir).glob(FA3_BINARY_GLOB))
+    if len(binaries) != 1:
+        found = ", ".join(b.name for b in binaries) or "none"
+        raise RuntimeError(f"FA3: expected exactly one {FA3_BINARY_GLOB} in {package_dir} (the {FA3_REPO}@{FA3_REVISION} "
+                           f"download), found {found}")
+    digest = sha256_of(binaries[0])
+    if digest != expected_sha256:
+        raise RuntimeError(f"FA3: {binaries[0]} has sha256 {digest}, but the pinned build {FA3_REPO}@{FA3_REVISION} "
+                           f"has {expected_sha256}; refusing to run an unverified attention kernel (clear that "
+                           f"entry from the Hugging Face hub cache and download it again)")
+    return binaries[0]
+
+
+_fa3_interface = None  # set by load_fa3(); a plain global, so a compiled model reads it without tracing the loader
+
+
+def load_fa3():
+    """The verified FA3 `flash_attn_interface` module (downloaded once, then from the hub cache)."""
+    global _fa3_interface
+    if _fa3_interface is not None:
+        return _fa3_interface
+    hint = "or choose another backend with SPEEDRUN_ATTENTION=flex (CUDA) or sdpa"
+    try:
+        from kernels import get_kernel
+    except ImportError as exc:
+        raise RuntimeError(f"FA3 attention needs the `kernels` package: pip install kernels ({hint})") from exc
+    try:
+        # a personal hub account, which `kernels` does not trust by default: trust comes from the
+        # pinned revision and the binary's hash, checked below
+        package = get_kernel(FA3_REPO, revision=FA3_REVISION, trust_remote_code=True)
+    except Exception as exc:
+        raise RuntimeError(f"FA3: could not load {FA3_REPO}@{FA3_REVISION} from the kernels hub ({type(exc).__name__}: "
+                           f"{exc}). The first run needs network access to the Hugging Face Hub (HF_HUB_OFFLINE "
+                           f"unset), later runs read the hub cache; {hint}") from exc
+    verify_fa3_binary(Path(package.__file__).parent, FA3_BINARY_SHA256)
+    _fa3_interface = package.flash_attn_interface
+    return _fa3_interface
+
+
+def fa3_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
+                         softmax_scale: float, paired: bool = False, max_seqlen: int | None = None) -> Tensor:
+    """`sdpa_varlen_attention` through FA3 varlen (record #360 §2.7). max_seqlen: the longest segment in
+    tokens (the record passes its configured maximum); None reads it from cu_seqlens (a host sync)."""
+    T, H, _ = q.shape
+    _check_segments(cu_seqlens, T)
+    if max_seqlen is None:
+        if torch.compiler.is_compiling():
+            raise ValueError("fa3_varlen_attention inside torch.compile needs max_seqlen (reading it from "
+                             "cu_seqlens would break the graph): pass the configured maximum segment length")
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    q, k, v, cu_seqlens = _stream_layout(q, k, v, cu_seqlens, paired)
+    if paired:
+        max_seqlen = 2 * max_seqlen
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    fa3 = _fa3_interface if _fa3_interface is not None else load_fa3()  # loaded at start-up on record runs
+    y = fa3.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                          max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, causal=True,
+                                          softmax_scale=softmax_scale, window_size=(window, 0))
+    if isinstance(y, tuple):  # some FA3 builds also return the log-sum-exp
+        y = y[0]
+    return y.reshape(T, H, v.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------------
+# Public op and the record's start-up check
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, softmax_scale: float,
+                     paired: bool = False, max_seqlen: int | None = None) -> Tensor:
+    """Causal sliding-window attention over the packed documents on the current backend → [T, H, d_v].
+
+    max_seqlen only reaches FA3 (see `fa3_varlen_attention`); the other backends do not need it.
+    """
+    backend = current().attention
+    if backend == "fa3":
+        return fa3_varlen_attention(q, k, v, cu_seqlens, window, softmax_scale, paired, max_seqlen)
+    if backend == "flex":
+        return flex_varlen_attention(q, k, v, cu_seqlens, window, softmax_scale, paired)
+    return sdpa_varlen_attention(q, k, v, cu_seqlens, window, softmax_scale, paired)
+
+
+def assert_record_backends(backend: Backend | None = None) -> None:
+    """Raise unless FA3 + Triton + fp8 + compile on SM90 is what will run (the record preset calls this
+    at start-up, so a record run never takes a portable fallback)."""
+    backend = backend or current()
+    require_fast_path(backend)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("the record preset needs compiled Triton kernels, but TRITON_INTERPRET=1 runs them in "
+                           "Triton's interpreter: unset it")
+    load_fa3()  # fails now, naming the cause, instead of at the first attention call

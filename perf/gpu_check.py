@@ -279,6 +279,97 @@ def check_ngram_embed(ctx: Context) -> list[Result]:
     return results
 
 
+@register("cross_entropy")
+def check_cross_entropy(ctx: Context) -> list[Result]:
+    """The fused softcapped CE (loss + logit gradient) against its twin, forward and backward timed together."""
+    from perf.kernels import cross_entropy as ce
+
+    rows = ctx.shape(record=16384, tiny=9)  # one rank's rows at the CE (brief of issue 7)
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    results = []
+    # full softmax (V = 50304, as stages 3-4 run it: next token only) and the sampled width P = 10240
+    # with the MTP and prefix terms of stages 0-1 (record #360 modules §3.3, §5.2)
+    cases = [("full V", ctx.shape(record=50304, tiny=40), (1.0,), False),
+             ("sampled P", ctx.shape(record=10240, tiny=24), (1.0, 0.5, 0.25), True)]
+    for name, width, mtp, with_prefix in cases:
+        # logits on the e4m3 grid, as the fp8 lm_head emits them
+        logits = (3 * torch.randn((rows, width), device=ctx.device, generator=gen)).to(torch.float8_e4m3fn).float()
+        targets = torch.randint(0, width, (rows,), device=ctx.device, generator=gen)
+        prefix = torch.randint(-1, width, (rows,), device=ctx.device, generator=gen) if with_prefix else None
+        leaf = logits.requires_grad_()
+
+        def loss_and_grad(fn):
+            loss = fn(leaf, targets, mtp, prefix, 0.3)
+            return loss, torch.autograd.grad(loss, leaf)[0]
+
+        (got_loss, got_grad), (want_loss, want_grad) = loss_and_grad(ce.softcapped_loss_sum_triton), \
+            loss_and_grad(ce.softcapped_loss_sum_portable)
+        loss_rel = abs(float(got_loss) - float(want_loss)) / max(abs(float(want_loss)), 1e-30)
+        grad_abs = _max_abs(got_grad - want_grad)
+        del got_grad, want_grad
+        # fp32 math in both; they differ in the order of the Σ exp(z − 23) sums and in the sigmoid's
+        # last bits (the GPU's exp is approximate): the loss within 1e-5 relative, the gradient
+        # (|g| <= 1.4) within 2e-6 absolute, about 16 fp32 ulps at 1.4
+        error = max(loss_rel / 1e-5, grad_abs / 2e-6)
+        case = f"{name} ({rows},{width}) K={len(mtp)}{' +prefix' if with_prefix else ''} fwd+bwd"
+        row = ctx.compare("cross_entropy", case, error, 1.0, "x tol",
+                          lambda: loss_and_grad(ce.softcapped_loss_sum_triton),
+                          lambda: loss_and_grad(ce.softcapped_loss_sum_portable))
+        row.note = f"loss rel {loss_rel:.2g} (tol 1e-5), grad abs {grad_abs:.2g} (tol 2e-6)"
+        results.append(row)
+    return results
+
+
+def _attention_inputs(ctx: Context, T: int, requires_grad: bool):
+    """bf16 q/k [T, 6, 64], v [T, 6, 128] (the paired narrow layers' widths) and a few documents."""
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    q, k, v = (torch.randn((T, 6, d), device=ctx.device, generator=gen).bfloat16().requires_grad_(requires_grad)
+               for d in (64, 64, 128))
+    cuts = sorted({T // 7, T // 2, T // 2 + 3, (4 * T) // 5})
+    cu = torch.tensor([0, *cuts, T, T], dtype=torch.int32, device=ctx.device)
+    return q, k, v, cu
+
+
+def _attention_parity(ctx: Context, name: str, fn, T: int, window: int, paired: bool) -> Result:
+    """fn against SDPA on one layer's shapes: forward (and, on a GPU, the q/k/v gradients), max abs error."""
+    from perf.attention_backends import sdpa_varlen_attention
+
+    backward = ctx.device.type == "cuda"  # flex has no CPU backward; the dry run checks the forward
+    q, k, v, cu = _attention_inputs(ctx, T, backward)
+    grad = torch.randn((T, 6, 128), device=ctx.device).bfloat16()
+
+    def run(attend):
+        y = attend(q, k, v, cu, window, 0.12, paired=paired)
+        return [y] + (list(torch.autograd.grad(y, (q, k, v), grad)) if backward else [])
+
+    error = max(_max_abs(a.float() - b.float()) for a, b in zip(run(fn), run(sdpa_varlen_attention)))
+    case = f"{name}{' paired' if paired else ''} T={T} window={window} {'fwd+bwd' if backward else 'fwd'}"
+    # bf16 outputs of attention summed in different orders: a few bf16 ulps at |y| <~ 4
+    return ctx.compare("attention", case, error, 0.05, "abs", lambda: run(fn), lambda: run(sdpa_varlen_attention))
+
+
+@register("attention")
+def check_attention(ctx: Context) -> list[Result]:
+    """flex and FA3 against SDPA at one small T. FA3 must load (pinned revision, sha256 verified): a failed
+    load is a failed row naming why; the dry run leaves FA3 out (it needs CUDA and the kernels hub)."""
+    from perf import attention_backends as ab
+
+    T = ctx.shape(record=4096, tiny=40)  # small T: the SDPA baseline builds chunk × window masks
+    window = ctx.shape(record=384, tiny=9)  # record #360: stage 0's long window, 3 blocks of 128
+    backends = [("attention flex", ab.flex_varlen_attention)]
+    results = []
+    if not ctx.dry_run:
+        try:
+            ab.load_fa3()
+            backends.append(("attention fa3", ab.fa3_varlen_attention))
+        except RuntimeError as exc:
+            results.append(Result("attention", f"fa3 load {ab.FA3_REPO}@{ab.FA3_REVISION[:8]}", float("inf"), 0.0, "-",
+                                  note=str(exc)))
+    for name, fn in backends:
+        results += [_attention_parity(ctx, name, fn, T, window, paired) for paired in (False, True)]
+    return results
+
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPU_TESTS_TIMEOUT_S = 240  # keeps the whole script inside its 8-minute budget
 
