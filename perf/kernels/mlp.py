@@ -22,7 +22,13 @@ epilogue writes fp8 in both layouts and records an amax; they exist twice:
   dpre_fp8_*       dpre8 = e5m2(dpre/s_dpre), dpre = dtype(2·(g8·W2_8ᵀ)·s_g·s_w2·p·√(post8·s_post))
 The Triton kernels never store the bf16 pre, post or dpre. The compute dtype follows x (bf16 in the
 model; fp32 inputs give fp32 intermediates, which the portable tests use).
+The dpre kernel's fp8 dot keeps the tensor cores' fast accumulation (K = 768, as record #360's kernel;
+its error is far below e5m2's); the twin's _scaled_mm does not, and the parity tolerance covers both.
 Validation runs `bf16_mlp`: a bf16 GEMM with the relu² epilogue (bf16 post), then post @ W2.
+
+Public: Fp8MLPState, fp8_mlp(x, w1, w2, p, state, slot, x8=None), bf16_mlp(x, w1, w2); the fused
+steps `up_relu2_fp8_{portable,triton}`, `dpre_fp8_{portable,triton}` and `bf16_mlp_{portable,triton}`
+share signatures pairwise.
 
 Tests: tests/perf/test_perf_mlp_fp8.py (the math), tests/kernels/test_kernels_mlp.py (kernel parity
 under Triton's interpreter: pytest tests/kernels/test_kernels_mlp.py -q).
