@@ -14,10 +14,10 @@ scale or a truncating cast would move a large fraction. (The interpreter's own f
 round to nearest even; the kernels round onto the grid first in interpreter mode, so the bounds above
 hold there too.)
 """
-import copy
-
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from perf.backend import use_backend
 from perf.fp8 import E4M3, E5M2, E5M2_MAX, quantize
@@ -29,6 +29,31 @@ pytestmark = pytest.mark.triton
 # (T, D, H): ragged against the interpreter tiles in every dimension; D ≥ 40 gives several K steps
 SHAPES = [(45, 40, 72), (33, 56, 50)]
 BOUNDARY_FRACTION = 0.02  # at most 2% of the fp8 outputs may sit one ulp off (rounding-boundary flips)
+
+
+@triton.jit
+def _cast_kernel(src_ptr, dst_ptr, n, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(src_ptr + offsets, mask=offsets < n)
+    v = tl.minimum(tl.maximum(v, -LIMIT), LIMIT)
+    tl.store(dst_ptr + offsets, mlp._cast(v, dst_ptr.dtype.element_ty, True), mask=offsets < n)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, torch.bfloat16])
+def test_kernel_casts_round_like_torch(dtype):
+    # The kernels' in-kernel casts (with the interpreter's rounding onto the grid) against torch's
+    # saturating round-to-nearest-even casts: every e4m3 / e5m2 tie and carry into the exponent
+    # (a grid of quarter steps at every scale), subnormals, and random values over the whole range.
+    limit = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(4)
+    steps = torch.arange(-64, 65) / 4.0  # (129,) halfway points between e5m2 values at every octave
+    octaves = 2.0 ** torch.arange(-20, 17).float()
+    src = torch.cat([(steps[:, None] * octaves[None, :]).flatten(),
+                     torch.randn(20000, generator=gen) * 2.0 ** torch.randint(-24, 17, (20000,), generator=gen),
+                     torch.tensor([limit, -limit, 1.01 * limit, 1e30, -1e30])]).float()
+    dst = torch.empty(src.shape, dtype=dtype)
+    _cast_kernel[(triton.cdiv(src.numel(), 1024),)](src, dst, src.numel(), LIMIT=limit, BLOCK=1024)
+    assert torch.equal(dst.float(), src.clamp(-limit, limit).to(dtype).float())
 
 
 def _normed(T, D, gen):
