@@ -146,7 +146,8 @@ def up_relu2_fp8_portable(x8: Tensor, w1_8: Tensor, s_x: Tensor, s_w1: Tensor, s
 
 def dpre_fp8_portable(g8: Tensor, w2_8: Tensor, s_g: Tensor, s_w2p: Tensor, post8: Tensor, s_post: Tensor,
                       s_dpre: Tensor, dpre_amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(dpre8 [T, H], dpre8ᵀ [H, T]) e5m2 for g8 [T, D] e5m2, W2_8 [H, D] e4m3 (s_w2p = s_w2·p); dpre_amax ← max(·, max|dpre|)."""
+    """(dpre8 [T, H], dpre8ᵀ [H, T]) e5m2 for g8 [T, D] e5m2, W2_8 [H, D] e4m3 (s_w2p = s_w2·p);
+    dpre_amax (0-D) ← max(·, max|dpre|)."""
     # dpre = 2·(g · (p·W2)ᵀ)·relu(pre), relu(pre) rebuilt as √(post8·s_post)
     acc = scaled_mm(g8, w2_8.t(), s_g, s_w2p, torch.float32, False)  # (T, H)
     relu_pre = (post8.float() * s_post).sqrt()
@@ -235,6 +236,14 @@ def _matmul_abt_tile(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride
 
 
 @triton.jit
+def _store_both_layouts(row_ptr, t_ptr, tile, rm, rn, M, N):
+    """Store a (BLOCK_M, BLOCK_N) tile at rows rm, columns rn of a contiguous [M, N] and, transposed,
+    of a contiguous [N, M]: the transposed copy costs writes only, never a separate transpose pass."""
+    tl.store(row_ptr + rm[:, None] * N + rn[None, :], tile, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(t_ptr + rn[:, None] * M + rm[None, :], tl.trans(tile), mask=(rn[:, None] < N) & (rm[None, :] < M))
+
+
+@triton.jit
 def _up_relu2_fp8_kernel(
     x8_ptr, w1_ptr, s_x_ptr, s_w1_ptr, s_post_ptr, post_amax_ptr, post8_ptr, post8_t_ptr,
     T, H, D, stride_xt, stride_xd, stride_wh, stride_wd,
@@ -260,10 +269,7 @@ def _up_relu2_fp8_kernel(
         post = _cast(relu * relu, PRE_DTYPE, INTERPRETER).to(tl.float32)  # ≥ 0; 0 outside T × H
         tl.atomic_max(post_amax_ptr, tl.max(tl.max(post, axis=1), axis=0))
         post8 = _cast(tl.minimum(post * inv_post_scale, 448.0), tl.float8e4nv, INTERPRETER)  # (BLOCK_M, BLOCK_N)
-        in_tile = (rm[:, None] < T) & (rn[None, :] < H)
-        tl.store(post8_ptr + rm[:, None] * H + rn[None, :], post8, mask=in_tile)
-        tl.store(post8_t_ptr + rn[:, None] * T + rm[None, :], tl.trans(post8),
-                 mask=(rn[:, None] < H) & (rm[None, :] < T))
+        _store_both_layouts(post8_ptr, post8_t_ptr, post8, rm, rn, T, H)
 
 
 @triton.jit
@@ -287,16 +293,14 @@ def _dpre_fp8_kernel(
         rm, rn = _tile_rows_cols(tile, H, BLOCK_M, BLOCK_N)
         acc = _matmul_abt_tile(g8_ptr, w2_ptr, rm, rn, T, H, D, stride_gt, stride_gd, stride_wh, stride_wd,
                                BLOCK_K, INTERPRETER)
-        in_tile = (rm[:, None] < T) & (rn[None, :] < H)
-        post8 = tl.load(post8_ptr + rm[:, None] * H + rn[None, :], mask=in_tile, other=0.0)
+        post8 = tl.load(post8_ptr + rm[:, None] * H + rn[None, :],
+                        mask=(rm[:, None] < T) & (rn[None, :] < H), other=0.0)  # (BLOCK_M, BLOCK_N) e4m3
         relu_pre = tl.sqrt(post8.to(tl.float32) * post_scale)
         dpre = _cast(2.0 * (acc * dequant) * relu_pre, DPRE_DTYPE, INTERPRETER).to(tl.float32)
         tl.atomic_max(dpre_amax_ptr, tl.max(tl.max(tl.abs(dpre), axis=1), axis=0))
         scaled = tl.minimum(tl.maximum(dpre * inv_dpre_scale, -57344.0), 57344.0)
         dpre8 = _cast(scaled, tl.float8e5, INTERPRETER)  # (BLOCK_M, BLOCK_N)
-        tl.store(dpre8_ptr + rm[:, None] * H + rn[None, :], dpre8, mask=in_tile)
-        tl.store(dpre8_t_ptr + rn[:, None] * T + rm[None, :], tl.trans(dpre8),
-                 mask=(rn[:, None] < H) & (rm[None, :] < T))
+        _store_both_layouts(dpre8_ptr, dpre8_t_ptr, dpre8, rm, rn, T, H)
 
 
 @triton.jit
@@ -348,7 +352,8 @@ def _launch(device: torch.device, M: int, N: int, gpu_tiles: str) -> tuple[dict,
 def _check_gemm(name: str, a: Tensor, a_name: str, a_dtype: torch.dtype, w: Tensor, w_name: str,
                 w_dtype: torch.dtype) -> None:
     if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
-        raise ValueError(f"{name}: {a_name} must be [T, D] and {w_name} [H, D], got {tuple(a.shape)} and {tuple(w.shape)}")
+        raise ValueError(f"{name}: {a_name} must be [T, D] and {w_name} [H, D], "
+                         f"got {tuple(a.shape)} and {tuple(w.shape)}")
     if a.dtype != a_dtype or w.dtype != w_dtype:
         raise TypeError(f"{name}: expected {a_name} {a_dtype} and {w_name} {w_dtype}, got {a.dtype} and {w.dtype}")
 
