@@ -35,8 +35,6 @@ under Triton's interpreter: pytest tests/kernels/test_kernels_mlp.py -q).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -336,16 +334,14 @@ INTERPRETER_PROGRAMS = 3  # CPU tests: fewer programs than tiles, so the persist
 COMPUTE_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _launch(device: torch.device, M: int, N: int, gpu_tiles: str) -> tuple[dict, tuple[int]]:
     """(tile kwargs, persistent grid) for an [M, N] output: the GPU tiles on CUDA, else the interpreter's."""
     tiles = TILES[gpu_tiles] if device.type == "cuda" else TILES["interpreter"]
     num_tiles = triton.cdiv(M, tiles["BLOCK_M"]) * triton.cdiv(N, tiles["BLOCK_N"])
-    programs = _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_PROGRAMS
+    if device.type == "cuda":  # torch caches the properties; torch.compile folds the SM count to a constant
+        programs = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        programs = INTERPRETER_PROGRAMS
     return {**tiles, "INTERPRETER": device.type != "cuda"}, (min(num_tiles, programs),)
 
 
