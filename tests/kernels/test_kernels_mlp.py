@@ -42,11 +42,12 @@ def _cast_kernel(src_ptr, dst_ptr, n, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
 @pytest.mark.parametrize("dtype", [E4M3, E5M2, torch.bfloat16])
 def test_kernel_casts_round_like_torch(dtype):
     # The kernels' in-kernel casts (with the interpreter's rounding onto the grid) against torch's
-    # saturating round-to-nearest-even casts: every e4m3 / e5m2 tie and carry into the exponent
-    # (a grid of quarter steps at every scale), subnormals, and random values over the whole range.
+    # round-to-nearest-even casts after the kernels' clamp: quarter steps m/4 (|m| ≤ 64) scaled by
+    # every octave hit the ties of both fp8 formats (2.25 for e5m2, 4.25 for e4m3) and the carries
+    # into the exponent (15.75 → 16), and reach the subnormals; random values span the whole range.
     limit = torch.finfo(dtype).max
     gen = torch.Generator().manual_seed(4)
-    steps = torch.arange(-64, 65) / 4.0  # (129,) halfway points between e5m2 values at every octave
+    steps = torch.arange(-64, 65) / 4.0  # (129,)
     octaves = 2.0 ** torch.arange(-20, 17).float()
     src = torch.cat([(steps[:, None] * octaves[None, :]).flatten(),
                      torch.randn(20000, generator=gen) * 2.0 ** torch.randint(-24, 17, (20000,), generator=gen),
