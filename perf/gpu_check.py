@@ -368,6 +368,94 @@ def check_attention(ctx: Context) -> list[Result]:
     for name, fn in backends:
         results += [_attention_parity(ctx, name, fn, T, window, paired) for paired in (False, True)]
     return results
+def _mlp_ops(ctx: Context, tokens: int, dim: int, hidden: int) -> dict[str, Callable]:
+    """The MLP kernels and their twins as closures over one case: a refreshed one-slot Fp8MLPState
+    whose delayed scales come from one portable step, and bf16 x (normed rows), W1, W2, g, p."""
+    from perf.backend import use_backend
+    from perf.fp8 import E5M2, quantize
+    from perf.kernels import mlp
+
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    x = torch.randn((tokens, dim), device=ctx.device, generator=gen)
+    x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))).bfloat16()
+    bank = ((torch.rand((1, 2, hidden, dim), device=ctx.device, generator=gen) * 2 - 1) * dim**-0.5).bfloat16()
+    w1, w2 = bank[0, 0], bank[0, 1]
+    g = (torch.randn((tokens, dim), device=ctx.device, generator=gen) * 0.05).bfloat16()
+    p = torch.tensor(0.8125, device=ctx.device)
+    state = mlp.Fp8MLPState(1, hidden, dim, device=ctx.device)
+
+    def train_step(use_triton: bool) -> list[torch.Tensor]:
+        """out, dx, dW1, dW2, dp of one fp8 training forward + backward, fold on."""
+        xg, w1g, w2g, pg = (t.detach().clone().requires_grad_() for t in (x, w1, w2, p))
+        with use_backend(triton=use_triton):
+            out = mlp.fp8_mlp(xg, w1g, w2g, pg, state, 0)
+            out.backward(g)
+        return [out.detach(), xg.grad, w1g.grad, w2g.grad, pg.grad]
+
+    state.refresh(bank)
+    train_step(False)  # records the amaxes the next refresh turns into delayed scales
+    state.refresh(bank)
+    x8, g8, bf16 = state.quantize_input(x), quantize(g, state.grad_scale, E5M2), torch.bfloat16
+    amax = torch.zeros((), device=ctx.device)  # scratch: the state's amaxes stay untouched
+    up_args = (x8, state.w1_f8[0], state.x_scale, state.w1_scale[0], state.post_scale[0], amax, bf16)
+    post8 = mlp.up_relu2_fp8_portable(*up_args)[0]
+    dpre_args = (g8, state.w2_f8[0], state.grad_scale, state.w2_scale[0] * p, post8, state.post_scale[0],
+                 state.dpre_scale[0], amax, bf16)
+    return {
+        "amax": amax, "x": x, "w1": w1, "w2": w2, "train_step": train_step,
+        "up_kernel": lambda: mlp.up_relu2_fp8_triton(*up_args), "up_twin": lambda: mlp.up_relu2_fp8_portable(*up_args),
+        "dpre_kernel": lambda: mlp.dpre_fp8_triton(*dpre_args), "dpre_twin": lambda: mlp.dpre_fp8_portable(*dpre_args),
+        "bf16_kernel": lambda: mlp.bf16_mlp_triton(x, w1, w2), "bf16_twin": lambda: mlp.bf16_mlp_portable(x, w1, w2),
+    }
+
+
+def _mlp_parity(ops: dict) -> dict[str, float]:
+    """Parity errors of the MLP kernels against their twins on the same inputs (tolerances: check_mlp)."""
+    from perf.fp8 import E4M3, E5M2
+
+    def fp8_ulps(kernel, twin, fmt):
+        """Largest distance over both layouts in `fmt` ulps, or of the recorded amax in bf16 ulps."""
+        ops["amax"].zero_()
+        got = kernel()
+        got_amax = ops["amax"].clone()
+        ops["amax"].zero_()
+        want = twin()
+        amax_ulps = ulp_distance(got_amax, ops["amax"], torch.bfloat16)
+        return max(amax_ulps, *(ulp_distance(a.float(), b.float(), fmt) for a, b in zip(got, want)))
+
+    post_ulps = fp8_ulps(ops["up_kernel"], ops["up_twin"], E4M3)
+    dpre_ulps = fp8_ulps(ops["dpre_kernel"], ops["dpre_twin"], E5M2)
+    step = max(float((a.float() - b.float()).norm() / b.float().norm())
+               for a, b in zip(ops["train_step"](True), ops["train_step"](False)))
+    x, w1, w2 = ops["x"], ops["w1"], ops["w2"]
+    slack = float((2.0**-6 * (torch.relu(x.float() @ w1.float().t()).square() @ w2.float().abs())).max())
+    return {"post8": post_ulps, "dpre8": dpre_ulps, "step": step,
+            "bf16": ulp_distance(ops["bf16_kernel"](), ops["bf16_twin"](), atol=slack)}
+
+
+@register("mlp")
+def check_mlp(ctx: Context) -> list[Result]:
+    dim, hidden = ctx.shape(record=(768, 2816), tiny=(40, 72))  # record #360: model dim 768, MLP hidden 2816
+    # parity at one rank's record batch (49,152 tokens, §6.2 stage 2); timings at a third of it
+    parity_tokens, time_tokens = ctx.shape(record=(49152, 16384), tiny=(45, 45))
+    errors = _mlp_parity(_mlp_ops(ctx, parity_tokens, dim, hidden))
+    ops = _mlp_ops(ctx, time_tokens, dim, hidden)
+    shape = f"T={time_tokens} (parity T={parity_tokens}), D={dim}, H={hidden}"
+    # Tolerances as tests/kernels/test_kernels_mlp.py: fp8 bytes within one fp8 ulp (a rounding-boundary
+    # flip of the bf16 intermediate) and the recorded amax within one bf16 ulp, in one "ulp" column; the
+    # training step's outputs and gradients within 2⁻⁵ of their norm (a few fp8 operands one ulp off).
+    step_row = ctx.compare("mlp", f"fp8_mlp fwd+bwd, fold on, {shape}", errors["step"], 2.0**-5, "rel",
+                           lambda: ops["train_step"](True), lambda: ops["train_step"](False))
+    step_row.peak_mib = ctx.peak_mib(lambda: ops["train_step"](True))
+    step_row.note = f"peak MiB portable: {_fmt(ctx.peak_mib(lambda: ops['train_step'](False)), '.0f')}"
+    return [
+        ctx.compare("mlp", f"up_relu2_fp8 post8 both layouts + amax {shape}", errors["post8"], 1.0, "ulp",
+                    ops["up_kernel"], ops["up_twin"]),
+        ctx.compare("mlp", f"dpre_fp8 dpre8 both layouts + amax {shape}", errors["dpre8"], 1.0, "ulp",
+                    ops["dpre_kernel"], ops["dpre_twin"]),
+        step_row,
+        ctx.compare("mlp", f"bf16_mlp forward {shape}", errors["bf16"], 1.0, "ulp", ops["bf16_kernel"], ops["bf16_twin"]),
+    ]
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

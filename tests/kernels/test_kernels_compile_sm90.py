@@ -3,6 +3,9 @@
 The interpreter accepts code the compiler rejects (and the reverse), so CI also runs Triton's real
 compiler down to a cubin for the Hopper target. It runs in a subprocess because the test process
 imported the kernels under TRITON_INTERPRET=1, which makes @triton.jit build interpreter functions.
+The MLP GEMM kernels compile as a launch at record shapes specializes them (16-byte aligned pointers
+and sizes, unit inner strides): only then does Triton pipeline their loads, and the pipelined
+buffers must fit H100 shared memory.
 """
 import os
 import subprocess
@@ -23,26 +26,36 @@ try:
 except ImportError as exc:
     print(f"SKIP: no Triton NVIDIA backend: {exc}")
     sys.exit(0)
-from perf.kernels import ngram_embed, symmetric_matmul, transpose, value_embed
+import triton.language as tl
+from perf.kernels import mlp, ngram_embed, symmetric_matmul, transpose, value_embed
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
+H100_SHARED_MEMORY = 232448  # bytes per block (227 KiB)
 
 
-def compile_sm90(kernel, pointers, constexprs, tiles):
+def compile_sm90(kernel, pointers, constexprs, tiles, unit_args=None):
+    """unit_args: compile as a launch with aligned tensors specializes (these ints are 1, others % 16 == 0)."""
     options = {k: v for k, v in tiles.items() if k in LAUNCH_OPTIONS}
     constexprs = {**constexprs, **{k: v for k, v in tiles.items() if k not in LAUNCH_OPTIONS}}
-    signature = {}
-    for p in kernel.params:
+    signature, attrs = {}, {}
+    for i, p in enumerate(kernel.params):
         if p.is_constexpr:
             signature[p.name] = "constexpr"
+        elif unit_args is not None and p.name in unit_args:
+            signature[p.name], constexprs[p.name] = "constexpr", 1
         elif p.name.endswith("_ptr"):
-            signature[p.name] = pointers[p.name]
+            signature[p.name] = pointers.get(p.name, "*fp32")
         else:
             signature[p.name] = "fp32" if p.name in ("alpha", "beta") else "i32"
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+        if unit_args is not None and signature[p.name] != "constexpr":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"], kernel
-    print("compiled", kernel.__name__, constexprs, options)
+    assert compiled.metadata.shared <= H100_SHARED_MEMORY, (kernel.__name__, compiled.metadata.shared)
+    if unit_args is not None:  # the operand loads are software-pipelined (asynchronous copies)
+        assert "cp.async" in compiled.asm["ptx"], kernel.__name__
+    print("compiled", kernel.__name__, constexprs, options, "shared", compiled.metadata.shared)
 
 
 def gpu_configs(tiles):
@@ -69,6 +82,14 @@ for tiles in gpu_configs(ngram_embed.TILES):
                  dict(rows_ptr="*bf16", pool_ptr="*bf16", sign_rows_ptr="*i32", out_ptr="*bf16"), {}, tiles)
     compile_sm90(ngram_embed._ngram_backward_kernel,
                  dict(grad_ptr="*bf16", pool_ptr="*bf16", sign_rows_ptr="*i32", d_rows_ptr="*bf16"), {}, tiles)
+mlp_unit_strides = ("stride_xd", "stride_gd", "stride_wd")  # the fp8 caches and activations are row-major
+for dtype in (tl.bfloat16, tl.float32):
+    compile_sm90(mlp._up_relu2_fp8_kernel, dict(x8_ptr="*fp8e4nv", w1_ptr="*fp8e4nv", post8_ptr="*fp8e4nv",
+                 post8_t_ptr="*fp8e4nv"), dict(PRE_DTYPE=dtype, INTERPRETER=False), mlp.TILES["cuda_fp8"], mlp_unit_strides)
+    compile_sm90(mlp._dpre_fp8_kernel, dict(g8_ptr="*fp8e5", w2_ptr="*fp8e4nv", post8_ptr="*fp8e4nv", dpre8_ptr="*fp8e5",
+                 dpre8_t_ptr="*fp8e5"), dict(DPRE_DTYPE=dtype, INTERPRETER=False), mlp.TILES["cuda_fp8"], mlp_unit_strides)
+compile_sm90(mlp._up_relu2_bf16_kernel, dict(x_ptr="*bf16", w1_ptr="*bf16", post_ptr="*bf16"), dict(INTERPRETER=False),
+             mlp.TILES["cuda_bf16"], mlp_unit_strides)
 print("ALL COMPILED")
 '''
 
