@@ -136,17 +136,20 @@ def segment_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return segment_base + np.arange(total, dtype=np.int64)
 
 
-def tokens_showing_piece(rules_rank: np.ndarray, rules_piece: np.ndarray, entries: np.ndarray):
-    """(rule index, token) pairs, rule-major: tokens whose trajectory (entries) shows the rule's
-    piece at the rule's rank."""
-    entries = entries[np.argsort(entries[:, 0], kind="stable")]
-    lo = np.searchsorted(entries[:, 0], rules_piece, side="left")
-    counts = np.searchsorted(entries[:, 0], rules_piece, side="right") - lo
-    rule = np.repeat(np.arange(len(rules_rank)), counts)
-    entry = entries[segment_ranges(lo, counts)]  # (K, 4)
-    at = rules_rank[rule]
-    shown = (entry[:, 1] <= at) & (at < entry[:, 2])
-    return rule[shown], entry[shown, 3]
+def tokens_showing_piece(rules: np.ndarray, side: int, entries: np.ndarray):
+    """(rule index, token) pairs, sorted by rule: tokens whose trajectory (entries) shows the
+    rule's left (side 1) or right (side 2) piece at the rule's rank. The rules of one piece with
+    ranks in an entry's interval are a contiguous run once sorted by (piece, rank)."""
+    key = rules[:, side] << 31 | rules[:, 0]  # ranks and NEVER are < 2^31
+    by_key = np.argsort(key, kind="stable")
+    key = key[by_key]
+    piece, start, end, token = entries.T
+    lo = np.searchsorted(key, piece << 31 | start)
+    counts = np.searchsorted(key, piece << 31 | end) - lo
+    rule = by_key[segment_ranges(lo, counts)]
+    token = np.repeat(token, counts)
+    order = np.argsort(rule, kind="stable")
+    return rule[order], token[order]
 
 
 def build_canonical_mask(vocab_size: int = VOCAB_SIZE, ranks: dict[bytes, int] | None = None,
@@ -174,11 +177,10 @@ def build_canonical_mask(vocab_size: int = VOCAB_SIZE, ranks: dict[bytes, int] |
         closed[tid] = ends_in_contraction(token)
 
     rules, first, last = bpe_trajectories(ranks)
-    rank, left, right = rules.T
-    p_rule, ps = tokens_showing_piece(rank, left, last)  # p ends in piece a at time r
+    p_rule, ps = tokens_showing_piece(rules, 1, last)  # p ends in piece a at time r
     keep = ~closed[ps]
     p_rule, ps = p_rule[keep], ps[keep]
-    x_rule, xs = tokens_showing_piece(rank, right, first)  # x starts with piece b at time r
+    x_rule, xs = tokens_showing_piece(rules, 2, first)  # x starts with piece b at time r
 
     # For each end class e of p: the xs of each rule whose start class may follow e, as segments
     # of one flat array (x_rule is sorted, so each rule's xs are contiguous).
@@ -208,3 +210,111 @@ def build_canonical_mask(vocab_size: int = VOCAB_SIZE, ranks: dict[bytes, int] |
         block.reshape(-1)[rows * vocab_size + cols] = True
         out[row0:row1] = np.packbits(block[: row1 - row0], axis=1, bitorder="little")
     return out
+
+
+def unpack_rows(mask: Tensor, prev_tokens: Tensor, vocab_size: int | None = None) -> Tensor:
+    """bool [T, vocab_size]: row prev_tokens[t] of the packed mask, bit x at column x."""
+    vocab_size = mask.shape[1] * 8 if vocab_size is None else vocab_size
+    rows = mask[prev_tokens]  # (T, W) uint8
+    bit_values = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=mask.device)
+    bits = (rows.unsqueeze(-1) & bit_values) != 0  # (T, W, 8): byte j, bit k is column 8j + k
+    return bits.flatten(1)[:, :vocab_size]
+
+
+def apply_canonical_mask(logits: Tensor, prev_tokens: Tensor, mask: Tensor) -> Tensor:
+    """Softcapped validation logits [T, V] with the classes row prev_tokens[t] drops set to −60.
+
+    prev_tokens[t] is the input token at position t, whose next token row t predicts. Returns a
+    new tensor; the caller slabs the rows, as the bool [T, V] mask is as large as the logits.
+    """
+    if logits.ndim != 2 or prev_tokens.shape != logits.shape[:1]:
+        raise ValueError(f"canonical mask: logits must be [T, V] and prev_tokens [T], got "
+                         f"{tuple(logits.shape)} and {tuple(prev_tokens.shape)}")
+    if mask.dtype != torch.uint8 or mask.ndim != 2 or mask.shape[1] * 8 < logits.shape[1]:
+        raise ValueError(f"canonical mask: mask must be uint8 [V, ceil(V/8)] for V = {logits.shape[1]}, "
+                         f"got {mask.dtype} {tuple(mask.shape)}")
+    return logits.masked_fill(unpack_rows(mask, prev_tokens, logits.shape[1]), MASK_FILL)
+
+
+class CanonicalMaskBuild:
+    """The mask built in a forked child process while training runs (record #92, PR #350).
+
+        build = CanonicalMaskBuild()   # rank 0, before the clock: shared buffer, BPE ranks loaded
+        build.start()                  # right after the clock starts
+        mask = build.wait()            # at the final validation: uint8 [V, ceil(V/8)] CPU tensor
+
+    The child only computes, in its own interpreter, so the trainer keeps its GIL; it writes the
+    bits into an anonymous shared mapping (MAP_SHARED) that the returned tensor views. If the child
+    fails or runs past the timeout, it is killed and wait() builds the mask inline with a warning;
+    without os.fork, wait() builds inline.
+    """
+
+    def __init__(self, vocab_size: int = VOCAB_SIZE, ranks: dict[bytes, int] | None = None):
+        self.vocab_size = vocab_size
+        self.ranks = gpt2_token_bytes() if ranks is None else ranks  # tiktoken's loader takes locks
+        self.shape = (vocab_size, (vocab_size + 7) // 8)
+        self._buffer = mmap.mmap(-1, self.shape[0] * self.shape[1])  # anonymous maps are shared
+        self._pid: int | None = None
+        self._mask: Tensor | None = None
+
+    def _array(self) -> np.ndarray:
+        return np.frombuffer(self._buffer, dtype=np.uint8).reshape(self.shape)
+
+    def _build_inline(self) -> None:
+        build_canonical_mask(self.vocab_size, self.ranks, out=self._array())
+
+    def start(self) -> None:
+        if self._pid is not None or self._mask is not None:
+            raise RuntimeError("CanonicalMaskBuild.start: already started")
+        if not hasattr(os, "fork"):
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: fork with threads
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                self._build_inline()
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)  # skip the trainer's atexit handlers and CUDA/NCCL teardown
+        self._pid = pid
+
+    def _child_result(self, timeout: float) -> str | None:
+        """Reap the child: None if it built the mask, else why it did not."""
+        deadline = time.perf_counter() + timeout
+        while True:
+            pid, status = os.waitpid(self._pid, os.WNOHANG)
+            if pid:
+                code = os.waitstatus_to_exitcode(status)
+                return None if code == 0 else f"the child exited with status {code}"
+            if time.perf_counter() > deadline:
+                os.kill(self._pid, signal.SIGKILL)
+                os.waitpid(self._pid, 0)
+                return f"the child was still building after {timeout:.0f} s"
+            time.sleep(POLL_INTERVAL_S)
+
+    def wait(self, timeout: float = WAIT_TIMEOUT_S) -> Tensor:
+        """The mask, uint8 [V, ceil(V/8)] on the CPU (a view of the shared buffer). Builds it
+        inline when no child was forked (no os.fork, or start() never called)."""
+        if self._mask is None:
+            if self._pid is None:
+                self._build_inline()
+            else:
+                failure, self._pid = self._child_result(timeout), None
+                if failure:
+                    warnings.warn(f"canonical mask: background build failed ({failure}); building it inline")
+                    self._build_inline()
+            self._mask = torch.from_numpy(self._array())
+        return self._mask
+
+
+if __name__ == "__main__":
+    started = time.perf_counter()
+    mask = build_canonical_mask(progress=True)
+    seconds = time.perf_counter() - started
+    dropped = int(np.unpackbits(mask, axis=1, bitorder="little").sum(dtype=np.int64))
+    print(f"canonical mask {mask.shape} uint8 built in {seconds:.1f} s: {dropped:,} dropped (prev, cur) "
+          f"pairs, {dropped / VOCAB_SIZE ** 2:.2%} of {VOCAB_SIZE}^2")
