@@ -14,7 +14,9 @@ tokenizer reaches rank r, and p and x meet inside one pretoken, merge r fires ac
 pretokenizer classes at the seam (whitespace, number, letter, other, mid-character) keep p's end
 and x's start in one pretoken. Pairs whose answer depends on the surrounding text stay 0: tokens
 ending in a contraction ('s 't 're 've 'm 'll 'd) mask nothing, and so does x starting inside a
-UTF-8 character.
+UTF-8 character. One case the record misses: a token whose last bytes complete a character begun
+in an earlier token (an emoji's tail, say) has an unknown class at its end, yet the record's table
+lets it mask; 11 bits, some of which GPT-2 does emit ('😑士'). strict=True leaves those rows unset.
 
 Storage: uint8 [V, ceil(V/8)], little-endian bits (bit x of row p = bit x % 8 of byte x // 8),
 316 MB for V = 50304. Rows and columns of ids outside the BPE ranks (50256 <|endoftext|>, the pads
@@ -153,10 +155,15 @@ def tokens_showing_piece(rules: np.ndarray, side: int, entries: np.ndarray):
 
 
 def build_canonical_mask(vocab_size: int = VOCAB_SIZE, ranks: dict[bytes, int] | None = None,
-                         out: np.ndarray | None = None, progress: bool = False) -> np.ndarray:
+                         out: np.ndarray | None = None, progress: bool = False,
+                         strict: bool = False) -> np.ndarray:
     """The packed mask, uint8 [vocab_size, ceil(vocab_size / 8)] (written into `out` if given).
 
     ranks: GPT-2's mergeable ranks (bytes → id), read from tiktoken's cache when None.
+    strict: also leave unset the rows of tokens whose last bytes are not a whole character. Such a
+      token completes a character begun in an earlier token, so the character's class, and whether
+      the seam is a pretoken boundary, depend on context. The record sets 11 bits in these rows and
+      GPT-2 does emit some of those pairs (e.g. '😑士' → [.., b'\\x91', '士']); strict drops them.
     """
     ranks = gpt2_token_bytes() if ranks is None else ranks
     width = (vocab_size + 7) // 8
@@ -176,6 +183,9 @@ def build_canonical_mask(vocab_size: int = VOCAB_SIZE, ranks: dict[bytes, int] |
         start_class[tid], end_class[tid] = edge_class(token, start=True), edge_class(token, start=False)
         closed[tid] = ends_in_contraction(token)
 
+    seam_ok = SEAM_OK.copy()
+    if strict:
+        seam_ok[MID_CHAR, :] = False
     rules, first, last = bpe_trajectories(ranks)
     p_rule, ps = tokens_showing_piece(rules, 1, last)  # p ends in piece a at time r
     keep = ~closed[ps]
@@ -187,7 +197,7 @@ def build_canonical_mask(vocab_size: int = VOCAB_SIZE, ranks: dict[bytes, int] |
     segment_xs, base = [], 0
     seg_start, seg_len = np.empty((5, len(rules)), np.int64), np.empty((5, len(rules)), np.int64)
     for e in range(5):
-        allowed = SEAM_OK[e, start_class[xs]]
+        allowed = seam_ok[e, start_class[xs]]
         seg_len[e] = np.bincount(x_rule[allowed], minlength=len(rules))
         seg_start[e] = base + np.cumsum(seg_len[e]) - seg_len[e]
         segment_xs.append(xs[allowed])
@@ -249,8 +259,9 @@ class CanonicalMaskBuild:
     without os.fork, wait() builds inline.
     """
 
-    def __init__(self, vocab_size: int = VOCAB_SIZE, ranks: dict[bytes, int] | None = None):
-        self.vocab_size = vocab_size
+    def __init__(self, vocab_size: int = VOCAB_SIZE, ranks: dict[bytes, int] | None = None,
+                 strict: bool = False):
+        self.vocab_size, self.strict = vocab_size, strict
         self.ranks = gpt2_token_bytes() if ranks is None else ranks  # tiktoken's loader takes locks
         self.shape = (vocab_size, (vocab_size + 7) // 8)
         self._buffer = mmap.mmap(-1, self.shape[0] * self.shape[1])  # anonymous maps are shared
@@ -261,7 +272,7 @@ class CanonicalMaskBuild:
         return np.frombuffer(self._buffer, dtype=np.uint8).reshape(self.shape)
 
     def _build_inline(self) -> None:
-        build_canonical_mask(self.vocab_size, self.ranks, out=self._array())
+        build_canonical_mask(self.vocab_size, self.ranks, out=self._array(), strict=self.strict)
 
     def start(self) -> None:
         if self._pid is not None or self._mask is not None:
