@@ -41,6 +41,7 @@ import warnings
 import numpy as np
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from model.prefix import gpt2_token_bytes
 
@@ -98,15 +99,15 @@ def bpe_trajectories(ranks: dict[bytes, int]):
 
     Returns (rules, first, last): rules = int64 [R, 3] rows (rank, left piece, right piece) of the
     merge that forms each multi-byte token; first/last = int64 [E, 4] rows (piece, start, end,
-    token): the token's first/last piece is `piece` for ranks in [start, end). A merge at index 0
-    of rank r changes the first piece from r + 1 on (a merge of the same rank further left would
-    already have fired: leftmost first), a merge producing the last piece changes it from r on.
+    token): the token's first/last piece is `piece` for ranks in [start, end). Ties go to the
+    leftmost pair, so at rank r a seam merge fires before a merge of the same rank inside x (x's
+    new first piece counts from r + 1) and after one inside p (p's new last piece counts from r).
     Pieces are tokens, named by their ids.
     """
     rules, first, last = [], [], []
     for token, tid in ranks.items():
         pieces = [token[i:i + 1] for i in range(len(token))]
-        firsts, lasts = [(0, pieces[0])], [(0, pieces[-1])]
+        firsts, lasts, last_merge = [(0, pieces[0])], [(0, pieces[-1])], None
         while len(pieces) > 1:
             best, at = None, -1
             for i in range(len(pieces) - 1):
@@ -115,20 +116,20 @@ def bpe_trajectories(ranks: dict[bytes, int]):
                     best, at = rank, i
             if best is None:
                 break
-            left, right = pieces[at], pieces[at + 1]
-            pieces[at:at + 2] = [left + right]
+            last_merge = (ranks[pieces[at]], ranks[pieces[at + 1]])
+            pieces[at:at + 2] = [pieces[at] + pieces[at + 1]]
             if at == 0:
                 firsts.append((best + 1, pieces[0]))
             if at == len(pieces) - 1:
                 lasts.append((best, pieces[-1]))
-        if len(token) > 1:  # the last merge performed forms the token
-            rules.append((tid, ranks[left], ranks[right]))
+        if last_merge is not None:  # the last merge performed forms the token
+            rules.append((tid, *last_merge))
         for trajectory, out in ((firsts, first), (lasts, last)):
             ends = [start for start, _ in trajectory[1:]] + [NEVER]
             out.extend((ranks[piece], start, end, tid)
                        for (start, piece), end in zip(trajectory, ends) if start < end)
-    as_array = lambda rows: np.array(rows, dtype=np.int64).reshape(-1, 4)
-    return np.array(rules, dtype=np.int64).reshape(-1, 3), as_array(first), as_array(last)
+    return tuple(np.array(rows, dtype=np.int64).reshape(-1, width)
+                 for rows, width in ((rules, 3), (first, 4), (last, 4)))
 
 
 def segment_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -209,8 +210,6 @@ def build_canonical_mask(vocab_size: int = VOCAB_SIZE, ranks: dict[bytes, int] |
     ps, p_rule = ps[order], p_rule[order]
     starts, lengths = seg_start[end_class[ps], p_rule], seg_len[end_class[ps], p_rule]
     block = np.empty((ROWS_PER_BLOCK, vocab_size), dtype=bool)
-    from tqdm import tqdm
-
     for row0 in tqdm(range(0, vocab_size, ROWS_PER_BLOCK), desc="canonical mask", disable=not progress):
         row1 = min(row0 + ROWS_PER_BLOCK, vocab_size)
         lo, hi = np.searchsorted(ps, [row0, row1])
