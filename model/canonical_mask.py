@@ -325,6 +325,7 @@ if __name__ == "__main__":
     started = time.perf_counter()
     mask = build_canonical_mask(progress=True)
     seconds = time.perf_counter() - started
-    dropped = int(np.unpackbits(mask, axis=1, bitorder="little").sum(dtype=np.int64))
+    bits_per_byte = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.uint8)
+    dropped = int(bits_per_byte[mask].sum(dtype=np.int64))
     print(f"canonical mask {mask.shape} uint8 built in {seconds:.1f} s: {dropped:,} dropped (prev, cur) "
           f"pairs, {dropped / VOCAB_SIZE ** 2:.2%} of {VOCAB_SIZE}^2")
