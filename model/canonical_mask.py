@@ -2,8 +2,8 @@
 
 M[p, x] = 1 asserts that GPT-2's tokenizer never emits token x directly after token p, in any
 context, so the final validation's softmax may drop class x on a row whose input token is p: its
-softcapped logit becomes −60. On tokenizer-produced text the true target is never dropped, so the
-mask can only lower the loss. Validation only; training never sees it.
+softcapped logit becomes −60. On tokenizer-produced text the true target is never dropped (bar the
+record's 11 bits below), so the mask can only lower the loss. Validation only; training never sees it.
 
 How the bits are found (record #360 modules §6.2). Inside one pretoken, byte-level BPE applies
 merges in rank order. Re-running BPE on each token's own bytes gives the merge (a, b) that forms
@@ -13,8 +13,8 @@ tokenizer reaches rank r, and p and x meet inside one pretoken, merge r fires ac
 [.., p, x, ..] cannot survive. So M[p, x] = 1 for every p in ps(r) and x in xs(r), when the
 pretokenizer classes at the seam (whitespace, number, letter, other, mid-character) keep p's end
 and x's start in one pretoken. Pairs whose answer depends on the surrounding text stay 0: tokens
-ending in a contraction ('s 't 're 've 'm 'll 'd) mask nothing, and so does x starting inside a
-UTF-8 character. One case the record misses: a token whose last bytes complete a character begun
+ending in a contraction ('s 't 're 've 'm 'll 'd) mask nothing, and no x starting inside a UTF-8
+character is masked. One case the record misses: a token whose last bytes complete a character begun
 in an earlier token (an emoji's tail, say) has an unknown class at its end, yet the record's table
 lets it mask; 11 bits, some of which GPT-2 does emit ('😑士'). strict=True leaves those rows unset.
 
