@@ -368,6 +368,8 @@ def check_attention(ctx: Context) -> list[Result]:
     for name, fn in backends:
         results += [_attention_parity(ctx, name, fn, T, window, paired) for paired in (False, True)]
     return results
+
+
 def _mlp_ops(ctx: Context, tokens: int, dim: int, hidden: int) -> dict[str, Callable]:
     """The MLP kernels and their twins as closures over one case: a refreshed one-slot Fp8MLPState
     whose delayed scales come from one portable step, and bf16 x (normed rows), W1, W2, g, p."""
