@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from config import RUN_PRESETS, RunConfig
 from data.loader import TrainLoader, dummy_batch, val_batches
+from data.ngram import ngram_hash_sizes
 from data.shards import shard_num_tokens
+from model.canonical_mask import CanonicalMaskBuild
 from model.embeddings import NgramTable
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
@@ -38,6 +40,8 @@ from optim.manager import NgramRowOptimizer, OptimizerManager, pull_rows
 from optim.schedule import TrainingSchedule
 from optim.tail_average import TailAverages
 from perf import backend as perf_backend
+from perf.attention_backends import assert_record_backends
+from perf.compile import compile_model
 from records.run_log import format_peak_memory_line, format_step_line, format_val_line, read_source
 from records.run_record import RunRecorder, check_finite
 
@@ -121,8 +125,8 @@ class Setup:
         if self.world_size not in cfg.allowed_world_sizes or cfg.virtual_world_size % self.world_size:
             raise RuntimeError(f"--config {cfg.name} runs on {' or '.join(map(str, cfg.allowed_world_sizes))} "
                                f"process(es), got WORLD_SIZE={self.world_size} (torchrun --nproc_per_node)")
-        if cfg.requires_fast_path:
-            perf_backend.require_fast_path(self.backend)
+        if cfg.requires_fast_path:  # a record run never falls back to a slower path
+            assert_record_backends(self.backend)
 
     def init_process_group(self) -> None:
         if self.world_size > 1:
@@ -177,12 +181,16 @@ class Run:
                 dist.broadcast(t.data, 0)
         self.table = NgramTable(cfg.model, setup.rank, setup.world_size, device=setup.device)
         self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim)
+        # value_embeds' backward adds straight into the optimizer's fp16 cycle buffer (record #360)
+        self.model.value_embed_grad_buffer = self.manager.cycle_gradient("value_embeds")
         self.ngram_opt = NgramRowOptimizer(self.table.rows, self.table.rows.size(0), self.manager)
         self.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size)
                          for r in setup.virtual_ranks]
         self.windows = self.schedule.windows(0)
         self.initial_state = {k: v.clone() for k, v in self.model.state_dict().items()}
         self.model.refresh_fp8()  # the fp8 weight caches, before the first training forward
+        self.forward = compile_model(self.model, setup.backend)  # fullgraph on CUDA; the module itself on CPU
+        self.hash_sizes = ngram_hash_sizes(cfg.model)  # the loader's n-gram hashes match the model's tables
 
     def pull(self, batch):
         """This batch's n-gram rows from their owners, as a leaf that collects the sink gradient."""
@@ -206,8 +214,9 @@ class Run:
             rows = self.pull(batch)
             candidates = sampler.candidates(batch.targets, s.softmax_p).to(self.setup.device) if s.softmax_p else None
             args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=s.mtp_weights,
-                            prefix_weight=s.prefix_weight, candidates=candidates, training=True)
-            loss = self.model(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
+                            prefix_weight=s.prefix_weight, candidates=candidates, training=True,
+                            max_seq_len=batch.max_seq_len)
+            loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
             (loss / self.setup.accum).backward()  # the record's gradient: the mean over 8 ranks of each rank's sum
             self.ngram_opt.accumulate(batch.ngram_ids.to(self.setup.device), rows.grad)
             total += loss.detach()
@@ -232,25 +241,41 @@ class Run:
         self.model.rearm_fp8()
         self.model.refresh_fp8()
 
+    def val_batches(self, val_glob: str) -> list[list]:
+        """Every validation batch this process evaluates (read on the clock, record #360)."""
+        cfg = self.cfg
+        per_rank = cfg.val_batch_tokens // cfg.virtual_world_size
+        return [list(val_batches(val_glob, r, cfg.virtual_world_size, per_rank, cfg.val_tokens, **self.hash_sizes))
+                for r in self.setup.virtual_ranks]
+
     @torch.no_grad()
-    def validate(self, val_glob: str, windows: tuple[int, int]) -> float:
+    def validate(self, batches: list[list], windows: tuple[int, int], canonical_mask=None) -> float:
         """Mean next-token loss over cfg.val_tokens (each process evaluates its virtual ranks)."""
         cfg, setup = self.cfg, self.setup
-        per_rank = cfg.val_batch_tokens // cfg.virtual_world_size
-        streams = [val_batches(val_glob, r, cfg.virtual_world_size, per_rank, cfg.val_tokens,
-                               ngram_half_rows=self.table.half, sign_pool_rows=cfg.model.ngram_sign_rows)
-                   for r in setup.virtual_ranks]
-        args = StepArgs(ws_short=windows[0], ws_long=windows[1], training=False)
         total = torch.zeros((), dtype=torch.float64, device=setup.device)
-        for step_batches in zip(*streams):
+        for step_batches in zip(*batches):
             for batch in step_batches:
                 batch = batch.to(setup.device)
                 rows = pull_rows(self.table.rows, self.table.lo, self.table.hi, batch.ngram_ids, setup.world_size)
-                loss = self.model(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
+                args = StepArgs(ws_short=windows[0], ws_long=windows[1], training=False,
+                                max_seq_len=batch.max_seq_len, canonical_mask=canonical_mask)
+                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
                 total += loss.double() * batch.inputs.numel()
         if setup.world_size > 1:
             dist.all_reduce(total)
         return total.item() / cfg.val_tokens
+
+
+def collect_canonical_mask(cfg: RunConfig, setup: Setup, build: CanonicalMaskBuild | None):
+    """Rank 0's background-built mask, on every rank's device (None when the preset has none)."""
+    if not cfg.canonical_mask:
+        return None
+    vocab = cfg.model.vocab_size
+    mask = build.wait().to(setup.device) if build is not None else \
+        torch.zeros((vocab, (vocab + 7) // 8), dtype=torch.uint8, device=setup.device)
+    if setup.world_size > 1:
+        dist.broadcast(mask, 0)
+    return mask
 
 
 def warmup_steps(schedule: TrainingSchedule) -> list[int]:
@@ -335,7 +360,7 @@ def main(argv=None) -> None:
 
         if args.eval_checkpoint is not None:
             step = load_checkpoint(run, args.eval_checkpoint)
-            val_loss = run.validate(val_glob, schedule.final_windows())
+            val_loss = run.validate(run.val_batches(val_glob), schedule.final_windows())
             log.print0(format_val_line(step, n, val_loss, 0.0), console=True)
             rec.finish(val_loss=val_loss, train_time_ms=0.0, steps=step)
             return
@@ -346,25 +371,27 @@ def main(argv=None) -> None:
             log.print0(f"warming up on dummy data at steps {steps}", console=True)
             for step in steps:
                 tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
-                batches = [dummy_batch(tokens, schedule.doc_cap(step), seed=step, ngram_half_rows=run.table.half,
-                                       sign_pool_rows=cfg.model.ngram_sign_rows) for _ in setup.virtual_ranks]
+                batches = [dummy_batch(tokens, schedule.doc_cap(step), seed=step, **run.hash_sizes)
+                           for _ in setup.virtual_ranks]
                 run.train_step(step, batches)
             log.print0("resetting model and optimizer state", console=True)
         run.reset()
         tails = TailAverages(run.manager, schedule)
-        loader = TrainLoader(train_glob, setup.virtual_ranks, cfg.virtual_world_size,
-                             ngram_half_rows=run.table.half, sign_pool_rows=cfg.model.ngram_sign_rows,
+        loader = TrainLoader(train_glob, setup.virtual_ranks, cfg.virtual_world_size, **run.hash_sizes,
                              pin_memory=setup.device.type == "cuda")
+        mask_build = CanonicalMaskBuild(cfg.model.vocab_size) if cfg.canonical_mask and setup.is_master else None
 
         # the clock
         setup.synchronize()
         train_ms, t0 = 0.0, time.perf_counter()
+        if mask_build is not None:
+            mask_build.start()  # a forked child builds it while we train (record #92)
         run.model.set_prefix_table(build_prefix_table(cfg.model.vocab_size).to(setup.device))
         for step in range(n):
             if cfg.val_every and step % cfg.val_every == 0:  # intermediate validation: off the clock
                 setup.synchronize()
                 train_ms += 1000 * (time.perf_counter() - t0)
-                val_loss = run.validate(val_glob, run.windows)
+                val_loss = run.validate(run.val_batches(val_glob), run.windows)  # no canonical mask mid-run
                 log.print0(format_val_line(step, n, val_loss, train_ms), console=True)
                 setup.synchronize()
                 t0 = time.perf_counter()
@@ -383,15 +410,18 @@ def main(argv=None) -> None:
             if (step + 1) % PRINT_EVERY == 0 or step >= n - 2:
                 elapsed = train_ms + 1000 * (time.perf_counter() - t0)
                 log.print0(format_step_line(step + 1, n, elapsed), console=True)
-        # on the clock: the final windows (no YaRN re-application), the tail-average ship
+        # on the clock: the final windows (no YaRN re-application), the val batches, the canonical
+        # mask, the tail-average ship
         loader.close()
         run.set_windows(schedule.final_windows(), yarn=False)
+        final_batches = run.val_batches(val_glob)
+        canonical_mask = collect_canonical_mask(cfg, setup, mask_build)
         tails.ship()
         setup.synchronize()
         train_ms += 1000 * (time.perf_counter() - t0)
         log.flush()
 
-        val_loss = run.validate(val_glob, schedule.final_windows())
+        val_loss = run.validate(final_batches, schedule.final_windows(), canonical_mask)
         log.print0(format_val_line(n, n, val_loss, train_ms), console=True)
         if setup.device.type == "cuda":
             peak = (torch.cuda.max_memory_allocated() / MIB, torch.cuda.max_memory_reserved() / MIB)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from model.rotary import Yarn, rotate
-from perf.attention_backends import sdpa_varlen_attention
+from perf.attention_backends import varlen_attention
 from perf.fp8 import fp8_qkv
 from perf.residual_fusion import RMS_NORM_EPS
 
@@ -40,6 +40,7 @@ class AttnArgs:
     xsa_alpha: Tensor | None = None  # [T, H] raw XSA lanes (tanh applied here)
     o_gain: Tensor | None = None  # 0-D: the layer's attention post-λ, folded into the O weight
     fp8: bool = False  # training: the packed fp8 QKV projection (sa0 in its dequant scale)
+    max_seqlen: int | None = None  # longest attention segment (FA3 needs it as a constant under compile)
 
 
 def scaled_weight(c: Tensor, w: Tensor) -> Tensor:
@@ -94,8 +95,8 @@ class CausalSelfAttention(torch.nn.Module):
         v = v.view(T, H, dv)
         if args.aux_v is not None:
             v = v + args.aux_v.view(T, H, self.head_dim)[..., :dv]
-        y = sdpa_varlen_attention(q, k, v, args.cu_seqlens, args.window, args.yarn.attn_scale,
-                                  paired=self.paired)  # (T, H, dv)
+        y = varlen_attention(q, k, v, args.cu_seqlens, args.window, args.yarn.attn_scale,
+                             paired=self.paired, max_seqlen=args.max_seqlen)  # (T, H, dv)
         if args.xsa_alpha is not None:  # remove a learned share of y along the token's own value
             coef = (y * v).sum(-1, keepdim=True) / (v * v).sum(-1, keepdim=True).clamp_min(XSA_EPS)
             y = y - torch.tanh(args.xsa_alpha.to(y.dtype))[..., None] * coef * v

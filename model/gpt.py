@@ -92,6 +92,8 @@ class StepArgs:
     prefix_weight: float = 0.0  # prefix-token auxiliary loss weight
     candidates: Tensor | None = None  # sampled softmax: sorted class ids [P]; None = full softmax
     training: bool = True  # False: the validation forward (bf16, mean CE)
+    max_seq_len: int | None = None  # longest attention segment of the batch (Batch.max_seq_len; FA3)
+    canonical_mask: Tensor | None = None  # validation: record #92's packed (prev, cur) mask, or None
 
 
 def attn_widths(layer: int, cfg: ModelConfig) -> tuple[int, int]:
@@ -311,7 +313,7 @@ class GPT(nn.Module):
                     window=(step.ws_long if long else step.ws_short) * WINDOW_BLOCK,
                     yarn=self.yarn_wide if long else (self.yarn_paired if i in PAIRED_HEAD_LAYERS else self.yarn),
                     key_offset=long, attn_gate=attn_gate.get(i), aux_v=aux_v, xsa_alpha=xsa.get(i),
-                    o_gain=p_attn[i] if fold_o_gain else None, fp8=use_fp8)
+                    o_gain=p_attn[i] if fold_o_gain else None, fp8=use_fp8, max_seqlen=step.max_seq_len)
                 out = self.attn[str(i)](a, *attn_w[i], args)  # (T, D)
                 if i == MUDD_LAYER:
                     x = mu[8] * x + mu[9] * out + mu[10] * cache[0]
@@ -360,7 +362,7 @@ class GPT(nn.Module):
         x = norm(M.post_loop_mix(x, sources, mu_post, delta))  # (T, D)
 
         if not step.training:
-            return validation_loss(x, self.lm_head.weight, targets)
+            return validation_loss(x, self.lm_head.weight, targets, inputs, step.canonical_mask)
         prefix = self.prefix_table[targets] if step.prefix_weight else None
         return training_loss(x, self.lm_head.weight, targets, step.mtp_weights, prefix, step.prefix_weight,
                              step.candidates, fp8=use_fp8)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.canonical_mask import apply_canonical_mask
 from perf.fp8 import fp8_lm_head
 from perf.kernels.cross_entropy import SOFTCAP_A, SOFTCAP_B, SOFTCAP_C, softcapped_loss_sum  # noqa: F401
 
@@ -68,12 +69,18 @@ def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, pr
     return softcapped_loss_sum(logits, targets, mtp_weights, prefix_targets, prefix_weight)
 
 
-def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor) -> Tensor:
+def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, inputs: Tensor | None = None,
+                    canonical_mask: Tensor | None = None) -> Tensor:
     """Mean next-token CE over the full vocabulary: bf16 logits and softcap, fp32 cross-entropy,
-    in slabs of EVAL_CE_SLAB_ROWS rows so the fp32 [rows, V] logits stay bounded."""
+    in slabs of EVAL_CE_SLAB_ROWS rows so the fp32 [rows, V] logits stay bounded.
+
+    canonical_mask (record #92, PR #350): the packed [V, V/8] bits of (prev, cur) pairs GPT-2 never
+    emits; after token inputs[t] those classes drop out of row t's softmax."""
     total = x.new_zeros((), dtype=torch.float32)
     for lo in range(0, x.shape[0], EVAL_CE_SLAB_ROWS):
         z = softcap(x[lo: lo + EVAL_CE_SLAB_ROWS] @ lm_head_w).float()  # softcap in the logits' dtype
+        if canonical_mask is not None:
+            z = apply_canonical_mask(z, inputs[lo: lo + EVAL_CE_SLAB_ROWS], canonical_mask)
         total = total + F.cross_entropy(z, targets[lo: lo + EVAL_CE_SLAB_ROWS], reduction="sum")
     return total / x.shape[0]
 
