@@ -203,6 +203,7 @@ class RunConfig:
     records_dir: str = "records"
     log_train_loss: bool = False    # a `train_loss` line per step (a host sync: off for records)
     save_checkpoint: bool = False
+    max_steps: int | None = None    # stop the timed loop early (a truncated check run: no tail ship)
 
 
 RUN_PRESETS = {

@@ -64,6 +64,8 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
                     help="folder holding the train and val shards (env DATA_PATH; default: the preset's)")
     ap.add_argument("--steps", type=int, default=os.environ.get("NUM_SCHEDULED_ITERATIONS"),
                     help="base scheduled steps before growth and extension (record: 1122; env NUM_SCHEDULED_ITERATIONS)")
+    ap.add_argument("--max-steps", type=int, default=None,
+                    help="stop after N steps of the schedule (a quick check: no tail-average ship, not a record)")
     ap.add_argument("--seed", type=int, default=os.environ.get("TRAIN_SEED"),
                     help="seed every rank's RNG (env TRAIN_SEED); records run unseeded")
     ap.add_argument("--val-every", type=int, default=None, help="validate every N steps (0: only at the end)")
@@ -80,7 +82,7 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
 
     cfg = RUN_PRESETS[args.config]
     overrides = {"data_path": args.data_path, "val_every": args.val_every, "val_tokens": args.val_tokens,
-                 "label": args.label, "records_dir": args.records_dir,
+                 "label": args.label, "records_dir": args.records_dir, "max_steps": args.max_steps,
                  "seed": int(args.seed) if args.seed is not None else None}
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.steps is not None:
@@ -341,11 +343,12 @@ def load_checkpoint(run: Run, folder: Path) -> int:
 
 def main(argv=None) -> None:
     cfg, args = parse_args(argv)
-    setup = Setup(cfg)
     records = Path(cfg.records_dir) if Path(cfg.records_dir).is_absolute() else REPO_ROOT / cfg.records_dir
-    with RunRecorder(config=cfg.name, world_size=setup.world_size, rank=setup.rank, label=cfg.label,
+    with RunRecorder(config=cfg.name, world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                     rank=int(os.environ.get("RANK", 0)), label=cfg.label,
                      logs_dir=records / "logs", runs_path=records / "runs.jsonl") as rec:
         log = rec.log
+        setup = Setup(cfg)
         setup.check(cfg)
         train_glob, val_glob = data_files(cfg)
         setup.init_process_group()
@@ -387,7 +390,8 @@ def main(argv=None) -> None:
         if mask_build is not None:
             mask_build.start()  # a forked child builds it while we train (record #92)
         run.model.set_prefix_table(build_prefix_table(cfg.model.vocab_size).to(setup.device))
-        for step in range(n):
+        steps = min(n, cfg.max_steps) if cfg.max_steps else n
+        for step in range(steps):
             if cfg.val_every and step % cfg.val_every == 0:  # intermediate validation: off the clock
                 setup.synchronize()
                 train_ms += 1000 * (time.perf_counter() - t0)
@@ -407,7 +411,7 @@ def main(argv=None) -> None:
                 check_finite(step, {"training loss (main + MTP + prefix terms)": train_loss})
                 if cfg.log_train_loss:
                     log.print0(f"step:{step + 1}/{n} train_loss:{train_loss:.4f}", console=setup.device.type == "cpu")
-            if (step + 1) % PRINT_EVERY == 0 or step >= n - 2:
+            if (step + 1) % PRINT_EVERY == 0 or step >= n - 2 or step + 1 == steps:
                 elapsed = train_ms + 1000 * (time.perf_counter() - t0)
                 log.print0(format_step_line(step + 1, n, elapsed), console=True)
         # on the clock: the final windows (no YaRN re-application), the val batches, the canonical
@@ -416,13 +420,16 @@ def main(argv=None) -> None:
         run.set_windows(schedule.final_windows(), yarn=False)
         final_batches = run.val_batches(val_glob)
         canonical_mask = collect_canonical_mask(cfg, setup, mask_build)
-        tails.ship()
+        if steps == n:
+            tails.ship()
+        else:
+            log.print0(f"truncated at step {steps} of {n} (--max-steps): tail averages not shipped", console=True)
         setup.synchronize()
         train_ms += 1000 * (time.perf_counter() - t0)
         log.flush()
 
         val_loss = run.validate(final_batches, schedule.final_windows(), canonical_mask)
-        log.print0(format_val_line(n, n, val_loss, train_ms), console=True)
+        log.print0(format_val_line(steps, n, val_loss, train_ms), console=True)
         if setup.device.type == "cuda":
             peak = (torch.cuda.max_memory_allocated() / MIB, torch.cuda.max_memory_reserved() / MIB)
             log.print0(format_peak_memory_line(*peak), console=True)
@@ -431,9 +438,9 @@ def main(argv=None) -> None:
             peak = (rss, rss)
             log.print0(f"peak host memory (maxrss, rank 0): {rss:.0f} MiB", console=True)
         if cfg.save_checkpoint:
-            folder = save_checkpoint(run, n, records / "logs", log.run_id)
+            folder = save_checkpoint(run, steps, records / "logs", log.run_id)
             log.print0(f"checkpoint saved to {folder}", console=True)
-        rec.finish(val_loss=val_loss, train_time_ms=train_ms, steps=n, peak_memory_mib=peak)
+        rec.finish(val_loss=val_loss, train_time_ms=train_ms, steps=steps, peak_memory_mib=peak)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -52,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_shakespeare_path() -> Path:
     if not TINY_SHAKESPEARE.is_file():
         pytest.skip(f"shared text missing: {TINY_SHAKESPEARE}")
