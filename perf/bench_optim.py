@@ -1,7 +1,8 @@
-"""Optimizer benchmark: the per-step time of OptimizerManager on CPU for a stand-in model, and
-the ANVIL cascade's FLOPs per step at the record's per-rank chunk shapes.
+"""Optimizer benchmark: the per-step time of OptimizerManager on CPU for the smoke model (or a
+stand-in), and the ANVIL cascade's FLOPs per step at the record's per-rank chunk shapes.
 
-    python perf/bench_optim.py                      # small stand-in, ANVIL and NorMuon
+    python perf/bench_optim.py                      # the smoke GPT's parameters, ANVIL and NorMuon
+    python perf/bench_optim.py --model small        # the small stand-in (banks that need padding)
     python perf/bench_optim.py --model record       # record shapes (slow on CPU: minutes)
     python perf/bench_optim.py --steps 20 --world-size 8
 
@@ -36,15 +37,27 @@ def record_chunk_shapes(world_size: int) -> dict[str, tuple[int, int, int]]:
             "mlp_bank": (2 * d.mlp_slots // world_size, d.mlp_hidden, d.dim)}
 
 
+def set_random_grads(model, seed: int) -> None:
+    """A fresh random gradient on every parameter (the optimizer clears what it consumed)."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
 def time_steps(model_kind: str, bank_optimizer: str, steps: int) -> tuple[float, float]:
     """Median ms per step over `steps` steps (after one warm step): (all steps, Adam steps only).
     Medians, because a shared CPU makes single steps noisy."""
-    model = StandInParams.record() if model_kind == "record" else StandInParams.small()
+    if model_kind == "smoke":
+        from config import MODEL_PRESETS
+        from model.gpt import GPT
+        model = GPT(MODEL_PRESETS["smoke"])
+    else:
+        model = StandInParams.record() if model_kind == "record" else StandInParams.small()
     sched = TrainingSchedule(SCHEDULE_PRESETS["smoke"])
     mgr = OptimizerManager(model.named_parameters(), sched, OptimConfig(bank_optimizer=bank_optimizer))
     times, adam_times = [], []
     for step in tqdm(range(steps + 1), desc=f"{model_kind} {bank_optimizer}", leave=False):
-        model.random_grads(seed=step)
+        set_random_grads(model, seed=step)
         t0 = time.perf_counter()
         mgr.step(step % sched.total_steps)
         dt = (time.perf_counter() - t0) * 1e3
@@ -57,7 +70,7 @@ def time_steps(model_kind: str, bank_optimizer: str, steps: int) -> tuple[float,
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("small", "record"), default="small")
+    parser.add_argument("--model", choices=("smoke", "small", "record"), default="smoke")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--world-size", type=int, default=8, help="ranks for the FLOP count")
     args = parser.parse_args(argv)
@@ -65,7 +78,7 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, one process")
     for opt in ("anvil", "normuon"):
         median, adam = time_steps(args.model, opt, args.steps)
-        print(f"optimizer step ({args.model} stand-in, {opt}): {median:.1f} ms/step median, "
+        print(f"optimizer step ({args.model} model, {opt}): {median:.1f} ms/step median, "
               f"{adam:.1f} ms on Adam steps")
     print(f"\ncascade FLOPs per step per rank at record shapes, {args.world_size} ranks:")
     total = {"anvil": 0, "normuon": 0}

@@ -460,6 +460,65 @@ def check_mlp(ctx: Context) -> list[Result]:
     ]
 
 
+@register("model_step")
+def check_model_step(ctx: Context) -> list[Result]:
+    """One forward + backward + optimizer step of the model at one rank's stage-2 record shapes
+    (49,152 tokens, doc cap 3072, windows (5, 11), sampled softmax P = 14,336), on the current
+    backend against the portable path: loss parity (relative), step time and peak memory.
+
+    One GPU holds the `dev` model (the record's, with an 8.4M-row n-gram table) and its optimizer
+    updates every bank matrix (8× one rank's share); not compiled (compilation takes minutes).
+    A dry run uses the smoke model and the portable path on both sides (plumbing only)."""
+    from config import MODEL_PRESETS, OPTIM_PRESETS, SCHEDULE_PRESETS
+    from data.loader import dummy_batch
+    from data.ngram import ngram_hash_sizes
+    from model.embeddings import NgramTable
+    from model.gpt import GPT, StepArgs
+    from model.loss import CandidateSampler
+    from optim.manager import OptimizerManager, pull_rows
+    from optim.schedule import TrainingSchedule
+    from perf.backend import current, use_backend
+
+    preset, ranks = ("smoke", 2) if ctx.dry_run else ("dev", 8)
+    cfg, schedule = MODEL_PRESETS[preset], TrainingSchedule(SCHEDULE_PRESETS[preset])
+    step = schedule.stage_ends[2]  # the first stage-2 step: the largest batch
+    s = schedule.settings(step)
+    torch.manual_seed(0)
+    model = GPT(cfg, fp8=current().fp8).to(ctx.device)
+    table = NgramTable(cfg, 0, 1, device=ctx.device)
+    manager = OptimizerManager(model.named_parameters(), schedule, OPTIM_PRESETS[preset])
+    model.value_embed_grad_buffer = manager.cycle_gradient("value_embeds")
+    model.refresh_fp8()
+    batch = dummy_batch(s.batch_tokens // ranks, s.doc_cap, **ngram_hash_sizes(cfg)).to(ctx.device)
+    candidates = CandidateSampler(cfg.vocab_size).candidates(batch.targets.cpu(), s.softmax_p).to(ctx.device)
+    args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=s.mtp_weights, prefix_weight=s.prefix_weight,
+                    candidates=candidates, max_seq_len=batch.max_seq_len)
+
+    def loss():
+        rows = pull_rows(table.rows, table.lo, table.hi, batch.ngram_ids, 1).requires_grad_(True)
+        return model(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
+
+    def train_step():
+        loss().backward()
+        manager.step(step)
+        model.refresh_fp8()
+
+    portable = dict(triton=False, attention="sdpa", compile=False)
+    fast = portable if ctx.dry_run else {}
+    with torch.no_grad():
+        with use_backend(**portable):
+            reference = float(loss())
+        with use_backend(**fast):
+            value = float(loss())
+    with use_backend(**fast):
+        peak = ctx.peak_mib(train_step)
+        kernel_ms = ctx.time_ms(train_step)
+    with use_backend(**portable):
+        torch_ms = ctx.time_ms(train_step)
+    case = f"{preset} model, {batch.inputs.numel()} tokens, P={s.softmax_p}, windows {(s.ws_short, s.ws_long)}"
+    return [Result("model_step", case, abs(value - reference) / abs(reference), 2e-2, "rel", kernel_ms=kernel_ms,
+                   torch_ms=torch_ms, peak_mib=peak, note=f"loss {value:.5f} vs portable {reference:.5f}")]
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPU_TESTS_TIMEOUT_S = 240  # keeps the whole script inside its 8-minute budget
 

@@ -27,7 +27,7 @@ except ImportError as exc:
     print(f"SKIP: no Triton NVIDIA backend: {exc}")
     sys.exit(0)
 import triton.language as tl
-from perf.kernels import mlp, ngram_embed, symmetric_matmul, transpose, value_embed
+from perf.kernels import cross_entropy, mlp, ngram_embed, symmetric_matmul, transpose, value_embed
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 H100_SHARED_MEMORY = 232448  # bytes per block (227 KiB)
@@ -82,6 +82,15 @@ for tiles in gpu_configs(ngram_embed.TILES):
                  dict(rows_ptr="*bf16", pool_ptr="*bf16", sign_rows_ptr="*i32", out_ptr="*bf16"), {}, tiles)
     compile_sm90(ngram_embed._ngram_backward_kernel,
                  dict(grad_ptr="*bf16", pool_ptr="*bf16", sign_rows_ptr="*i32", d_rows_ptr="*bf16"), {}, tiles)
+for tiles in gpu_configs(cross_entropy.TILES):
+    for logits in ("*fp32", "*bf16"):
+        for prefix in (False, True):
+            for write_grad in (False, True):
+                compile_sm90(cross_entropy._softcapped_ce_kernel,
+                             dict(logits_ptr=logits, targets_ptr="*i64", prefix_ptr="*i64", weights_ptr="*fp32",
+                                  row_loss_ptr="*fp32", grad_ptr=logits if write_grad else "*fp32"),
+                             dict(A=cross_entropy.SOFTCAP_A, B=cross_entropy.SOFTCAP_B, C=cross_entropy.SOFTCAP_C,
+                                  NUM_MTP=3, HAS_PREFIX=prefix, WRITE_GRAD=write_grad), tiles)
 mlp_unit_strides = ("stride_xd", "stride_gd", "stride_wd")  # the fp8 caches and activations are row-major
 for dtype in (tl.bfloat16, tl.float32):
     compile_sm90(mlp._up_relu2_fp8_kernel, dict(x8_ptr="*fp8e4nv", w1_ptr="*fp8e4nv", post8_ptr="*fp8e4nv",
