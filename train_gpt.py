@@ -126,7 +126,8 @@ class Setup:
     def check(self, cfg: RunConfig) -> None:
         if self.world_size not in cfg.allowed_world_sizes or cfg.virtual_world_size % self.world_size:
             raise RuntimeError(f"--config {cfg.name} runs on {' or '.join(map(str, cfg.allowed_world_sizes))} "
-                               f"process(es), got WORLD_SIZE={self.world_size} (torchrun --nproc_per_node)")
+                               f"process(es), got WORLD_SIZE={self.world_size} (torchrun --nproc_per_node); "
+                               f"--config dev runs on 1, 2, 4 or 8 GPUs, --config smoke on 1 or 2 CPU processes")
         if cfg.requires_fast_path:  # a record run never falls back to a slower path
             assert_record_backends(self.backend)
 

@@ -91,10 +91,18 @@ def tokenize_documents(docs: list[str], workers: int) -> np.ndarray:
     """All documents, each preceded by BOS, as one uint16 array (in input order)."""
     tasks = [docs[i:i + DOCS_PER_TASK] for i in range(0, len(docs), DOCS_PER_TASK)]
     workers = min(workers, len(tasks))  # a small input does not need a process per core
+    # Load the encoding here first: a failure (no network and no TIKTOKEN_CACHE_DIR) then stops the
+    # run with its error, where in a pool initializer it would respawn workers forever; and the BPE
+    # files are cached on disk before the workers read them.
+    try:
+        _init_worker()
+    except Exception as e:
+        raise SystemExit(f"tokenize: tiktoken could not load the GPT-2 encoding ({type(e).__name__}: {e}); "
+                         f"it downloads the BPE files once, so allow network access or point "
+                         f"TIKTOKEN_CACHE_DIR at a folder that holds them") from e
     bar = tqdm(total=sum(map(len, docs)), unit="char", unit_scale=True, desc="tokenizing")
     chunks = []
     if workers <= 1:
-        _init_worker()
         results = map(encode_documents, tasks)
     else:
         # spawn: workers start clean (no forked threads), re-importing this module by its path or name
