@@ -343,7 +343,14 @@ def load_checkpoint(run: Run, folder: Path) -> int:
 
 
 def main(argv=None) -> None:
-    cfg, args = parse_args(argv)
+    try:
+        run_one(*parse_args(argv))
+    finally:  # also after a failure, so torchrun's other ranks are not left waiting on a collective
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
     records = Path(cfg.records_dir) if Path(cfg.records_dir).is_absolute() else REPO_ROOT / cfg.records_dir
     with RunRecorder(config=cfg.name, world_size=int(os.environ.get("WORLD_SIZE", 1)),
                      rank=int(os.environ.get("RANK", 0)), label=cfg.label,
@@ -442,8 +449,6 @@ def main(argv=None) -> None:
             folder = save_checkpoint(run, steps, records / "logs", log.run_id)
             log.print0(f"checkpoint saved to {folder}", console=True)
         rec.finish(val_loss=val_loss, train_time_ms=train_ms, steps=steps, peak_memory_mib=peak)
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
