@@ -163,3 +163,17 @@ def test_smoke_run_on_two_ranks_learns(tmp_path, shards):
     assert untrained == pytest.approx(torch.log(torch.tensor(50304.0)).item(), abs=0.05)  # uniform at init
     assert final <= untrained - 1.5
     assert "step:70/70 val_loss:" in out
+
+
+@pytest.mark.slow
+def test_warmup_then_reset_leaves_no_trace(tmp_path, shards):
+    """The untimed warmup (a step at every schedule geometry, the split included) followed by the
+    in-place reset must train exactly like a run without warmup."""
+    common = ["--data-path", str(shards), "--max-steps", "3", "--log-train-loss"]
+    _main(tmp_path / "cold", *common)
+    train_gpt.main(["--config", "smoke", "--records-dir", str(tmp_path / "warm"), "--val-every", "0",
+                    "--val-tokens", "8192", "--seed", "0", *common])
+    (cold,), (warm,) = _runs(tmp_path / "cold"), _runs(tmp_path / "warm")
+    assert "warming up on dummy data" in open(warm["log_path"]).read()
+    assert _train_losses(warm["log_path"]) == _train_losses(cold["log_path"])
+    assert warm["val_loss"] == cold["val_loss"]
