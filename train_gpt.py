@@ -120,7 +120,7 @@ class Setup:
         self.backend = perf_backend.current()
         self.is_master = self.rank == 0
         # gradient accumulation: process p plays virtual ranks p·A .. p·A + A − 1
-        self.accum = cfg.virtual_world_size // self.world_size if self.world_size else 0
+        self.accum = cfg.virtual_world_size // self.world_size
         self.virtual_ranks = list(range(self.rank * self.accum, (self.rank + 1) * self.accum))
 
     def check(self, cfg: RunConfig) -> None:
@@ -195,11 +195,11 @@ class Run:
         self.forward = compile_model(self.model, setup.backend)  # fullgraph on CUDA; the module itself on CPU
         self.hash_sizes = ngram_hash_sizes(cfg.model)  # the loader's n-gram hashes match the model's tables
 
-    def pull(self, batch):
-        """This batch's n-gram rows from their owners, as a leaf that collects the sink gradient."""
-        rows = pull_rows(self.table.rows, self.table.lo, self.table.hi, batch.ngram_ids.to(self.setup.device),
-                         self.setup.world_size)
-        return rows.detach().requires_grad_(True)
+    def pull(self, batch, sink: bool = True):
+        """This batch's n-gram rows from their owners; with `sink`, a leaf that collects the
+        row-sparse gradient."""
+        rows = pull_rows(self.table.rows, self.table.lo, self.table.hi, batch.ngram_ids, self.setup.world_size)
+        return rows.detach().requires_grad_(True) if sink else rows
 
     def set_windows(self, windows: tuple[int, int], yarn: bool = True) -> None:
         if windows != self.windows and yarn:
@@ -221,7 +221,7 @@ class Run:
                             max_seq_len=batch.max_seq_len)
             loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
             (loss / self.setup.accum).backward()  # the record's gradient: the mean over 8 ranks of each rank's sum
-            self.ngram_opt.accumulate(batch.ngram_ids.to(self.setup.device), rows.grad)
+            self.ngram_opt.accumulate(batch.ngram_ids, rows.grad)
             total += loss.detach()
         self.manager.step(step)
         self.ngram_opt.step(step)
@@ -259,7 +259,7 @@ class Run:
         for step_batches in zip(*batches):
             for batch in step_batches:
                 batch = batch.to(setup.device)
-                rows = pull_rows(self.table.rows, self.table.lo, self.table.hi, batch.ngram_ids, setup.world_size)
+                rows = self.pull(batch, sink=False)
                 args = StepArgs(ws_short=windows[0], ws_long=windows[1], training=False,
                                 max_seq_len=batch.max_seq_len, canonical_mask=canonical_mask)
                 loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
