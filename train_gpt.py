@@ -17,7 +17,9 @@ import os
 os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # record #360
 
 import argparse
+import contextlib
 import datetime
+import gc
 import glob
 import resource
 import time
@@ -36,12 +38,14 @@ from model.embeddings import NgramTable
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
 from model.prefix import build_prefix_table
-from optim.manager import NgramRowOptimizer, OptimizerManager, pull_rows
-from optim.schedule import TrainingSchedule
+from optim.manager import NgramRowOptimizer, OptimizerManager
+from optim.row_exchange import RowExchange
+from optim.schedule import StepWeights, TrainingSchedule
 from optim.tail_average import TailAverages
 from perf import backend as perf_backend
 from perf.attention_backends import assert_record_backends
-from perf.compile import compile_model
+from perf.compile import compile_model, compiled_graphs
+from perf.sync_check import host_side, sync_check
 from records.run_log import format_peak_memory_line, format_step_line, format_val_line, read_source
 from records.run_record import RunRecorder, check_finite
 
@@ -186,20 +190,32 @@ class Run:
         self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim)
         # value_embeds' backward adds straight into the optimizer's fp16 cycle buffer (record #360)
         self.model.value_embed_grad_buffer = self.manager.cycle_gradient("value_embeds")
-        self.ngram_opt = NgramRowOptimizer(self.table.rows, self.table.rows.size(0), self.manager)
+        # the table's rows move between ranks by host-planned exchanges (no host sync on the device)
+        self.exchange = RowExchange(cfg.model.ngram_rows, setup.rank, setup.world_size, setup.device)
+        self.ngram_opt = NgramRowOptimizer(self.table.rows, self.table.rows.size(0), self.manager, self.exchange)
+        self.step_weights = StepWeights(self.schedule, setup.device)  # MTP / prefix weights as tensors
         self.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size)
                          for r in setup.virtual_ranks]
         self.windows = self.schedule.windows(0)
         self.initial_state = {k: v.clone() for k, v in self.model.state_dict().items()}
         self.model.refresh_fp8()  # the fp8 weight caches, before the first training forward
-        self.forward = compile_model(self.model, setup.backend)  # fullgraph on CUDA; the module itself on CPU
+        self.forward = compile_model(self.model, setup.backend)  # fullgraph; the module itself when not compiling
         self.hash_sizes = ngram_hash_sizes(cfg.model)  # the loader's n-gram hashes match the model's tables
 
-    def pull(self, batch, sink: bool = True):
-        """This batch's n-gram rows from their owners; with `sink`, a leaf that collects the
-        row-sparse gradient."""
-        rows = pull_rows(self.table.rows, self.table.lo, self.table.hi, batch.ngram_ids, self.setup.world_size)
-        return rows.detach().requires_grad_(True) if sink else rows
+    def upload(self, host_batch, softmax_p: int, sampler: CandidateSampler | None = None):
+        """The host batch on the device, its n-gram row plan and its sampled-softmax candidates.
+
+        The plan and the candidates are built from the host batch (host work the sync check lets
+        through); everything reaches the device by non-blocking copies (pinned memory on CUDA)."""
+        with host_side():
+            plan = self.exchange.plan(host_batch.ngram_ids)  # a host collective: every rank, same order
+            candidates = sampler.candidates(host_batch.targets, softmax_p) if softmax_p else None
+            if candidates is not None and self.setup.device.type == "cuda":
+                candidates = candidates.pin_memory()
+        batch = host_batch.to(self.setup.device, non_blocking=True)
+        if candidates is not None:
+            candidates = candidates.to(self.setup.device, non_blocking=True)
+        return batch, plan, candidates
 
     def set_windows(self, windows: tuple[int, int], yarn: bool = True) -> None:
         if windows != self.windows and yarn:
@@ -211,22 +227,57 @@ class Run:
         loss of the process's tokens (detached)."""
         s = self.schedule.settings(step)
         self.set_windows((s.ws_short, s.ws_long))
+        mtp_weights, prefix_weight = self.step_weights.load(step)  # tensors: new values, same graph
         total = torch.zeros((), device=self.setup.device)
-        for sampler, batch in zip(self.samplers, batches):
-            batch = batch.to(self.setup.device, non_blocking=True)
-            rows = self.pull(batch)
-            candidates = sampler.candidates(batch.targets, s.softmax_p).to(self.setup.device) if s.softmax_p else None
-            args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=s.mtp_weights,
-                            prefix_weight=s.prefix_weight, candidates=candidates, training=True,
+        for sampler, host_batch in zip(self.samplers, batches):
+            batch, plan, candidates = self.upload(host_batch, s.softmax_p, sampler)
+            rows = self.exchange.pull(self.table.rows, plan).detach().requires_grad_(True)  # the sink leaf
+            args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp_weights,
+                            prefix_weight=prefix_weight, candidates=candidates, training=True,
                             max_seq_len=batch.max_seq_len)
             loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
             (loss / self.setup.accum).backward()  # the record's gradient: the mean over 8 ranks of each rank's sum
-            self.ngram_opt.accumulate(batch.ngram_ids, rows.grad)
+            self.ngram_opt.accumulate(plan, rows.grad)
             total += loss.detach()
         self.manager.step(step)
         self.ngram_opt.step(step)
         self.model.refresh_fp8()
         return total
+
+    def warmup(self, val_steps: list[int], log) -> None:
+        """The untimed warmup on dummy data, so that every graph compiles here and the clock meets
+        none: a training step at every schedule geometry (`warmup_steps`), the validation forward
+        at the windows each intermediate validation will see (those of the step before it), and
+        the final validation (final windows, a stand-in canonical mask of the real one's shape).
+        Windows, YaRN scales and the order of window changes are the timed run's. `reset()`
+        undoes it all."""
+        cfg, schedule = self.cfg, self.schedule
+        steps = warmup_steps(schedule)
+        pending = {schedule.windows(max(k - 1, 0)) for k in val_steps}  # windows in force at each validation
+        log.print0(f"warming up on dummy data at steps {steps}, validation at windows {sorted(pending)} "
+                   f"and {schedule.final_windows()}", console=True)
+        for step in steps:
+            if self.windows in pending:
+                pending.discard(self.windows)
+                self.validate(self.dummy_val_batches(), self.windows)
+            tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
+            self.train_step(step, [dummy_batch(tokens, schedule.doc_cap(step), seed=step, **self.hash_sizes)
+                                   for _ in self.setup.virtual_ranks])
+        if pending:
+            raise RuntimeError(f"warmup: no warmup step runs at windows {sorted(pending)} of an intermediate "
+                               f"validation (warmup_steps must visit every stage)")
+        self.set_windows(schedule.final_windows(), yarn=False)
+        vocab = cfg.model.vocab_size
+        mask = torch.zeros((vocab, (vocab + 7) // 8), dtype=torch.uint8, device=self.setup.device) \
+            if cfg.canonical_mask else None
+        self.validate(self.dummy_val_batches(), schedule.final_windows(), mask)
+
+    def dummy_val_batches(self) -> list[list]:
+        """One validation step of random tokens with the real validation geometry (one segment per
+        rank, no doc cap): what the warmup compiles the validation forward on."""
+        per_rank = self.cfg.val_batch_tokens // self.cfg.virtual_world_size
+        return [[dummy_batch(per_rank, per_rank, seed=r, virtual_seq_cap=per_rank, **self.hash_sizes)]
+                for r in self.setup.virtual_ranks]
 
     def reset(self) -> None:
         """Undo the warmup in place (addresses unchanged): weights, optimizer state, table, samplers."""
@@ -257,9 +308,9 @@ class Run:
         cfg, setup = self.cfg, self.setup
         total = torch.zeros((), dtype=torch.float64, device=setup.device)
         for step_batches in zip(*batches):
-            for batch in step_batches:
-                batch = batch.to(setup.device)
-                rows = self.pull(batch, sink=False)
+            for host_batch in step_batches:
+                batch, plan, _ = self.upload(host_batch, 0)
+                rows = self.exchange.pull(self.table.rows, plan)
                 args = StepArgs(ws_short=windows[0], ws_long=windows[1], training=False,
                                 max_seq_len=batch.max_seq_len, canonical_mask=canonical_mask)
                 loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
@@ -281,15 +332,29 @@ def collect_canonical_mask(cfg: RunConfig, setup: Setup, build: CanonicalMaskBui
     return mask
 
 
+@contextlib.contextmanager
+def garbage_collector_paused():
+    """Collect once, freeze what survives (so later collections skip it) and keep the collector
+    off until the block ends, as record #360 does for its timed loop; restored on any exit."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
 def warmup_steps(schedule: TrainingSchedule) -> list[int]:
-    """One step per schedule geometry (batch, doc cap, P, MTP count, windows) and the step after it
-    (so Adam and table steps run too), plus the split step: every shape the clock will meet."""
+    """The first step of every schedule geometry (`StepSettings.geometry`: one compiled graph each)
+    and the step after it (so Adam and table steps run too), plus the split step: every shape the
+    clock will meet."""
     seen, steps = set(), {schedule.split_step, schedule.split_step + 1}
     for step in range(schedule.total_steps):
-        s = schedule.settings(step)
-        key = (s.batch_tokens, s.doc_cap, s.softmax_p, len(s.mtp_weights), s.ws_short, s.ws_long)
-        if key not in seen:
-            seen.add(key)
+        geometry = schedule.settings(step).geometry
+        if geometry not in seen:
+            seen.add(geometry)
             steps.update((step, step + 1))
     return sorted(st for st in steps if st < schedule.total_steps)
 
@@ -376,52 +441,56 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
             rec.finish(val_loss=val_loss, train_time_ms=0.0, steps=step)
             return
 
-        # warmup on dummy data at every schedule geometry (compiles on CUDA), then undo it in place
+        # warmup on dummy data at every schedule geometry (compiles them all), then undo it in place
+        graphs_before_warmup = compiled_graphs()
+        steps = min(n, cfg.max_steps) if cfg.max_steps else n
         if cfg.warmup:
-            steps = warmup_steps(schedule)
-            log.print0(f"warming up on dummy data at steps {steps}", console=True)
-            for step in steps:
-                tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
-                batches = [dummy_batch(tokens, schedule.doc_cap(step), seed=step, **run.hash_sizes)
-                           for _ in setup.virtual_ranks]
-                run.train_step(step, batches)
+            run.warmup(list(range(0, steps, cfg.val_every)) if cfg.val_every else [], log)
             log.print0("resetting model and optimizer state", console=True)
         run.reset()
+        warmup_graphs = compiled_graphs() - graphs_before_warmup
         tails = TailAverages(run.manager, schedule)
         loader = TrainLoader(train_glob, setup.virtual_ranks, cfg.virtual_world_size, **run.hash_sizes,
                              pin_memory=setup.device.type == "cuda")
         mask_build = CanonicalMaskBuild(cfg.model.vocab_size) if cfg.canonical_mask and setup.is_master else None
 
         # the clock
+        validation_graphs = 0
         setup.synchronize()
         train_ms, t0 = 0.0, time.perf_counter()
+        graphs_before_loop = compiled_graphs()
         if mask_build is not None:
             mask_build.start()  # a forked child builds it while we train (record #92)
         run.model.set_prefix_table(build_prefix_table(cfg.model.vocab_size).to(setup.device))
-        steps = min(n, cfg.max_steps) if cfg.max_steps else n
-        for step in range(steps):
-            if cfg.val_every and step % cfg.val_every == 0:  # intermediate validation: off the clock
-                setup.synchronize()
-                train_ms += 1000 * (time.perf_counter() - t0)
-                val_loss = run.validate(run.val_batches(val_glob), run.windows)  # no canonical mask mid-run
-                log.print0(format_val_line(step, n, val_loss, train_ms), console=True)
-                setup.synchronize()
-                t0 = time.perf_counter()
-            batches = loader.next_batches(schedule.batch_tokens(step) // cfg.virtual_world_size,
-                                          schedule.doc_cap(step))
-            loss_sum = run.train_step(step, batches)
-            tails.tick(step)
-            rec.progress(step + 1)
-            if cfg.log_train_loss or setup.device.type == "cpu" or (step + 1) % PRINT_EVERY == 0:
-                if setup.world_size > 1:
-                    dist.all_reduce(loss_sum)
-                train_loss = loss_sum.item() / schedule.batch_tokens(step)
-                check_finite(step, {"training loss (main + MTP + prefix terms)": train_loss})
-                if cfg.log_train_loss:
-                    log.print0(f"step:{step + 1}/{n} train_loss:{train_loss:.4f}", console=setup.device.type == "cpu")
-            if (step + 1) % PRINT_EVERY == 0 or step >= n - 2 or step + 1 == steps:
-                elapsed = train_ms + 1000 * (time.perf_counter() - t0)
-                log.print0(format_step_line(step + 1, n, elapsed), console=True)
+        with garbage_collector_paused():  # record #360: no collection pauses inside the timed loop
+            for step in range(steps):
+                if cfg.val_every and step % cfg.val_every == 0:  # intermediate validation: off the clock
+                    setup.synchronize()
+                    train_ms += 1000 * (time.perf_counter() - t0)
+                    graphs = compiled_graphs()
+                    val_loss = run.validate(run.val_batches(val_glob), run.windows)  # no canonical mask mid-run
+                    validation_graphs += compiled_graphs() - graphs
+                    log.print0(format_val_line(step, n, val_loss, train_ms), console=True)
+                    setup.synchronize()
+                    t0 = time.perf_counter()
+                with sync_check(setup.device, enabled=setup.backend.sync_check):  # SPEEDRUN_SYNC_CHECK=1
+                    with host_side():
+                        batches = loader.next_batches(schedule.batch_tokens(step) // cfg.virtual_world_size,
+                                                      schedule.doc_cap(step))
+                    loss_sum = run.train_step(step, batches)
+                    tails.tick(step)
+                rec.progress(step + 1)
+                if cfg.log_train_loss or setup.device.type == "cpu" or (step + 1) % PRINT_EVERY == 0:
+                    if setup.world_size > 1:
+                        dist.all_reduce(loss_sum)
+                    train_loss = loss_sum.item() / schedule.batch_tokens(step)
+                    check_finite(step, {"training loss (main + MTP + prefix terms)": train_loss})
+                    if cfg.log_train_loss:
+                        log.print0(f"step:{step + 1}/{n} train_loss:{train_loss:.4f}", console=setup.device.type == "cpu")
+                if (step + 1) % PRINT_EVERY == 0 or step >= n - 2 or step + 1 == steps:
+                    elapsed = train_ms + 1000 * (time.perf_counter() - t0)
+                    log.print0(format_step_line(step + 1, n, elapsed), console=True)
+        timed_graphs = compiled_graphs() - graphs_before_loop - validation_graphs
         # on the clock: the final windows (no YaRN re-application), the val batches, the canonical
         # mask, the tail-average ship
         loader.close()
@@ -436,8 +505,13 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         train_ms += 1000 * (time.perf_counter() - t0)
         log.flush()
 
+        graphs = compiled_graphs()
         val_loss = run.validate(final_batches, schedule.final_windows(), canonical_mask)
+        validation_graphs += compiled_graphs() - graphs
         log.print0(format_val_line(steps, n, val_loss, train_ms), console=True)
+        if setup.backend.compile:  # dynamo's own counters: nothing may compile after the warmup
+            log.print0(f"compiled graphs: warmup {warmup_graphs}, timed {timed_graphs}", console=True)
+            log.print0(f"compiled graphs: validation after the warmup {validation_graphs}", console=True)
         if setup.device.type == "cuda":
             peak = (torch.cuda.max_memory_allocated() / MIB, torch.cuda.max_memory_reserved() / MIB)
             log.print0(format_peak_memory_line(*peak), console=True)

@@ -225,7 +225,7 @@ def unpack_rows(mask: Tensor, prev_tokens: Tensor, vocab_size: int | None = None
     """bool [T, vocab_size]: row prev_tokens[t] of the packed mask, bit x at column x."""
     vocab_size = mask.shape[1] * 8 if vocab_size is None else vocab_size
     rows = mask[prev_tokens]  # (T, W) uint8
-    bit_values = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=mask.device)
+    bit_values = (2 ** torch.arange(8, device=mask.device)).to(torch.uint8)  # 1, 2, ..., 128 (no host copy)
     bits = (rows.unsqueeze(-1) & bit_values) != 0  # (T, W, 8): byte j, bit k is column 8j + k
     return bits.flatten(1)[:, :vocab_size]
 

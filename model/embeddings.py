@@ -6,7 +6,7 @@
 * Smear: x[t] += λ·σ(w·x[t][:12])·x[t−1] over the packed stream (x[0] unchanged).
 * N-gram table: ngram_rows × D bf16 rows, bigram half then trigram half, zero-initialized, and not a
   model parameter: each rank holds a contiguous 1/world_size shard (`NgramTable`). The caller
-  gathers a batch's 2T rows (first T bigram, last T trigram; optim/manager.py `pull_rows`) and
+  gathers a batch's 2T rows (first T bigram, last T trigram; optim/row_exchange.py `RowExchange.pull`) and
   passes them to the forward with their sign rows; perf/kernels/ngram_embed.py's `ngram_embed` forms
   B[t] = row_bi·sign_bi + row_tri·sign_tri in fp32 with one rounding. The row-sparse Adam belongs
   to the optimizer.

@@ -85,15 +85,26 @@ VALUE_EMBED_INIT_STD = 0.01
 
 @dataclass
 class StepArgs:
-    """Per-step schedule values the forward reads (optim/schedule.py produces them)."""
+    """Per-step schedule values the forward reads (optim/schedule.py produces them).
+
+    Python values here (ints, flags, which terms exist) are the step's geometry: a compiled model
+    keeps one graph per combination. Values that change from step to step travel as tensors whose
+    contents change in place (optim/schedule.py `StepWeights`), so they never recompile.
+    """
     ws_short: int = 1  # short window, 128-token blocks
     ws_long: int = 3  # long window (layers 3, 10), 128-token blocks
-    mtp_weights: tuple = (1.0,)  # weight of the loss on targets t, t+1, t+2, ...
-    prefix_weight: float = 0.0  # prefix-token auxiliary loss weight
+    mtp_weights: Tensor | tuple = (1.0,)  # fp32 [K] weights of the loss on targets t, t+1, ... (K static)
+    prefix_weight: Tensor | float | None = None  # 0-D prefix-token loss weight; None or 0.0: no prefix term
     candidates: Tensor | None = None  # sampled softmax: sorted class ids [P]; None = full softmax
     training: bool = True  # False: the validation forward (bf16, mean CE)
     max_seq_len: int | None = None  # longest attention segment of the batch (Batch.max_seq_len; FA3)
     canonical_mask: Tensor | None = None  # validation: record #92's packed (prev, cur) mask, or None
+
+    @property
+    def prefix_on(self) -> bool:
+        """Whether the prefix term exists this step (static: a tensor weight always means yes)."""
+        w = self.prefix_weight
+        return w is not None and (isinstance(w, Tensor) or w != 0)
 
 
 def attn_widths(layer: int, cfg: ModelConfig) -> tuple[int, int]:
@@ -363,6 +374,6 @@ class GPT(nn.Module):
 
         if not step.training:
             return validation_loss(x, self.lm_head.weight, targets, inputs, step.canonical_mask)
-        prefix = self.prefix_table[targets] if step.prefix_weight else None
+        prefix = self.prefix_table[targets] if step.prefix_on else None
         return training_loss(x, self.lm_head.weight, targets, step.mtp_weights, prefix, step.prefix_weight,
                              step.candidates, fp8=use_fp8)

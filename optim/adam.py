@@ -9,9 +9,11 @@ untrained.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -145,59 +147,65 @@ def embed_moments_from_lm_head(lm_head_moment: Tensor) -> Tensor:
 
 # --- the n-gram table's row-sparse Adam -------------------------------------------------------
 
+# record #360 (modules §4.4): 382 table events in a record run (168 every 2nd step, then 214 every
+# 4th); the replay table starts with room for them and doubles (a device copy) past it.
+RECORD_TABLE_EVENTS = 382
+
+
 @dataclass
 class RowAdamState:
-    """Per-row state of one rank's n-gram shard: beta1 = 0, so one second moment per row."""
-    exp_avg_sq: Tensor               # fp32 [rows]: EMA of the row's mean squared gradient
-    last_event: Tensor               # int32 [rows]: the event that last touched the row (0 = never)
-    beta2_history: list[float]       # beta2 of every event, index 1..E (index 0 unused)
+    """Per-row state of one rank's n-gram shard: beta1 = 0, so one second moment per row, plus the
+    running log-sum of the events' beta2 that replays the decays a row missed in closed form."""
+    exp_avg_sq: Tensor               # fp32 (rows,): EMA of the row's mean squared gradient
+    last_event: Tensor               # int32 (rows,): the event that last touched the row (0 = never)
+    log_beta2_sum: Tensor            # fp64 (capacity + 1,): slot e = sum of ln fp32(beta2_i), i = 1..e; slot 0 = 0
+    events: int = 0                  # table events so far (host)
+    log_beta2_total: float = 0.0     # host copy of slot `events`
 
     @classmethod
-    def zeros(cls, rows: int, device=None) -> "RowAdamState":
+    def zeros(cls, rows: int, device=None, capacity: int = RECORD_TABLE_EVENTS) -> "RowAdamState":
         return cls(torch.zeros(rows, dtype=torch.float32, device=device),
-                   torch.zeros(rows, dtype=torch.int32, device=device), [1.0])
-
-    @property
-    def events(self) -> int:
-        return len(self.beta2_history) - 1
+                   torch.zeros(rows, dtype=torch.int32, device=device),
+                   torch.zeros(capacity + 1, dtype=torch.float64, device=device))
 
     def zero_(self) -> None:
         self.exp_avg_sq.zero_()
         self.last_event.zero_()
-        del self.beta2_history[1:]
-
-
-def merge_rows(row_ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-    """Sum the gradient rows that share a row id: (sorted unique ids, fp32 sums)."""
-    ids, inverse = torch.unique(row_ids, sorted=True, return_inverse=True)
-    summed = torch.zeros((ids.numel(), grads.size(-1)), dtype=torch.float32, device=grads.device)
-    summed.index_add_(0, inverse, grads.float())
-    return ids, summed
+        self.log_beta2_sum.zero_()
+        self.events, self.log_beta2_total = 0, 0.0
 
 
 def row_sparse_adam_event(shard: Tensor, state: RowAdamState, local_rows: Tensor, grad_sum: Tensor,
                           lr: float, beta2: float, weight_decay: float, world_size: int,
                           eps: float = 1e-10) -> None:
-    """One table event on this rank's shard (record #360, modules §4.5).
+    """One table event on this rank's shard (record #360, modules §4.5), with no host sync.
 
-    local_rows: the distinct touched rows (indices into shard), grad_sum: their gradients summed
-    over ranks and the cycle's steps. lr is the effective lr (0.008 * schedule * 70); the decay
-    coefficient is lr^2 * weight_decay (0.005 * wd_mul). Untouched rows do not move; the beta2
-    decays they miss are replayed the next time they are touched, which equals decaying every
-    row at every event, bit for bit."""
-    state.beta2_history.append(beta2)
+    local_rows: (M,) int64, the distinct touched rows (indices into shard); grad_sum: (M, D), their
+    gradients summed over ranks and the cycle's steps. lr is the effective lr (0.008 * schedule *
+    70); the decay coefficient is lr^2 * weight_decay (0.005 * wd_mul). Untouched rows do not move;
+    the beta2 decays they miss are applied the next time they are touched, in closed form:
+    v <- v * exp(S[event - 1] - S[last]), S the fp64 running sum of ln beta2 (the events' beta2
+    rounded to fp32, the factor the eager `beta2 * v` multiplies by), one rounding to fp32 instead
+    of one per missed event. A row touched at every event gets the factor exp(0) = 1 exactly, so
+    it is bitwise the dense every-event update; a row that missed k events differs from the
+    sequential replay by the k roundings that replay did (tests/optim/test_optim_adam.py states
+    the measured error)."""
+    state.events += 1
     event = state.events
-    v = state.exp_avg_sq[local_rows]
-    last = state.last_event[local_rows]
-    # Replay the missed events one at a time, in order, so the rounding is the eager one.
-    first_missed = int(last.min()) + 1 if last.numel() else event
-    for e in range(first_missed, event):
-        v = torch.where(last < e, v * state.beta2_history[e], v)
-    m = grad_sum.float() / world_size
+    if event >= state.log_beta2_sum.numel():    # past the preallocated events: double (device copy)
+        state.log_beta2_sum = torch.cat([state.log_beta2_sum, torch.zeros_like(state.log_beta2_sum)])
+    missed_until = state.log_beta2_total                        # S[event - 1], a host float
+    state.log_beta2_total = missed_until + math.log(float(np.float32(beta2)))
+    state.log_beta2_sum[event].fill_(state.log_beta2_total)     # a kernel argument, not a sync
+    v = state.exp_avg_sq.index_select(0, local_rows)                                    # (M,)
+    last = state.last_event.index_select(0, local_rows)                                 # (M,)
+    missed = torch.exp(missed_until - state.log_beta2_sum.index_select(0, last))        # (M,) fp64
+    v = (v.double() * missed).float()
+    m = grad_sum.float() / world_size                                                   # (M, D)
     v = beta2 * v + (1 - beta2) * m.square().mean(dim=-1)
     update = m / (v.sqrt() + eps)[:, None] * (lr * (1 - beta2 ** event) ** 0.5)
-    p = shard[local_rows].float()
+    p = shard.index_select(0, local_rows).float()                                       # (M, D)
     update = update + p * ((update * p) > 0) * (lr * lr * weight_decay)
-    shard[local_rows] = (p - update).to(shard.dtype)
-    state.exp_avg_sq[local_rows] = v
-    state.last_event[local_rows] = event
+    shard.index_copy_(0, local_rows, (p - update).to(shard.dtype))
+    state.exp_avg_sq.index_copy_(0, local_rows, v)
+    state.last_event.index_fill_(0, local_rows, event)

@@ -30,9 +30,9 @@ communication order of record #360 (record_360.md §3, §7; modules §10).
   on torch 2.13 gloo); no PREMUL_SUM, no fp8 tensors.
 
 The n-gram table is not a parameter: `NgramRowOptimizer` (below) runs its row-sparse Adam on the
-rank's contiguous row shard, from the (row ids, sink gradient) pairs of each step; `pull_rows`
-fetches a batch's rows from their owners for the forward, `gather_owned_rows` routes the
-gradients back.
+rank's contiguous row shard, from each step's (row plan, sink gradient); optim/row_exchange.py
+`RowExchange` plans the batch's rows on the host, pulls them from their owners for the forward and
+routes the gradients back at table events.
 """
 from __future__ import annotations
 
@@ -47,9 +47,10 @@ from torch import Tensor
 from config import OptimConfig
 from optim.adam import (EMBED, LM_HEAD, RECORD_PARAM_TABLE, VALUE_EMBEDS, AdamState, ParamRule,
                         RowAdamState, adam_update, build_param_table, embed_moments_from_lm_head,
-                        merge_rows, row_sparse_adam_event, value_embed_hparams)
+                        row_sparse_adam_event, value_embed_hparams)
 from optim.anvil import BankState, BankStepScalars, anvil_update, rail_settings, shape_lr_multiplier
 from optim.normuon import muon_momentum, normuon_update
+from optim.row_exchange import RowExchange, RowPlan
 from optim.schedule import TrainingSchedule
 from perf.kernels.transpose import transpose_add_, transpose_into
 
@@ -382,118 +383,54 @@ class OptimizerManager:
 
 # --- the n-gram table -----------------------------------------------------------------------------
 
-def _all_gather_padded(t: Tensor, width: int, world_size: int, fill=0) -> Tensor:
-    """Every rank's t [n, ...] (n <= width, may differ by rank), padded with `fill` to width rows:
-    [W, width, ...]. One all_gather of equal-size tensors (gloo and NCCL)."""
-    padded = t.new_full((width, *t.shape[1:]), fill)
-    padded[:t.size(0)] = t
-    out = t.new_empty((world_size * width, *t.shape[1:]))
-    dist.all_gather_into_tensor(out, padded)
-    return out.view(world_size, width, *t.shape[1:])
-
-
-def gather_owned_rows(row_ids: Tensor, grads: Tensor, lo: int, hi: int, world_size: int) -> tuple[Tensor, Tensor]:
-    """Every rank's (row id, gradient row) pairs for the rows [lo, hi) this rank owns, merged:
-    (local row indices, fp32 gradient sums over ranks).
-
-    Portable version of record #360's count / id / row all_to_alls: all ranks all-gather their
-    merged rows (padded to the largest count) and each owner keeps its own. Same sums; the
-    record sums in fp16/bf16 on the way, this path in fp32."""
-    ids, summed = merge_rows(row_ids, grads)
-    if world_size > 1:
-        count = torch.tensor([[ids.numel()]], device=ids.device)
-        width = int(_all_gather_padded(count, 1, world_size).max())
-        ids = _all_gather_padded(ids, width, world_size, fill=-1).flatten()        # (W·width,)
-        summed = _all_gather_padded(summed, width, world_size).flatten(0, 1)     # (W·width, D)
-    mine = (ids >= lo) & (ids < hi)
-    ids, summed = merge_rows(ids[mine], summed[mine])
-    return ids - lo, summed
-
-
-def pull_rows(table_shard: Tensor, lo: int, hi: int, row_ids: Tensor, world_size: int) -> Tensor:
-    """Rows `row_ids` [N] (global ids, any order, repeats allowed) of a table whose rows are split
-    into contiguous per-rank ranges; this rank owns rows [lo, hi) as `table_shard` [hi - lo, D].
-    Returns [N, D] in the shard's dtype, bit-exact copies: e.g. the batch's 2T n-gram rows that
-    the forward takes as `ngram_rows` (make the result a leaf with requires_grad for the sink).
-
-    Portable version of record #360's pull (modules §4.5: counts, ids, rows in three
-    all_to_alls; gloo-compatible): all ranks all-gather their distinct ids (padded to the largest
-    count) and their [lo, hi); each owner answers every asker with the rows it owns (zeros in the
-    other slots) in one all_to_all; each asker keeps, per id, the answer of its owner."""
-    if table_shard.dim() != 2 or table_shard.size(0) != hi - lo:
-        raise ValueError(f"pull_rows: table_shard must be [hi - lo = {hi - lo}, D], got {tuple(table_shard.shape)}")
-    if row_ids.dim() != 1:
-        raise ValueError(f"pull_rows: row_ids must be [N], got {tuple(row_ids.shape)}")
-    ids, inverse = torch.unique(row_ids.long(), return_inverse=True)   # ask for each row once
-    device = table_shard.device
-    if world_size == 1:
-        if ids.numel() and (int(ids[0]) < lo or int(ids[-1]) >= hi):
-            raise IndexError(f"pull_rows: row ids span [{int(ids[0])}, {int(ids[-1])}], outside the "
-                             f"table's rows [{lo}, {hi})")
-        return table_shard[ids - lo][inverse]
-    meta = torch.tensor([[ids.numel(), lo, hi]], device=device)
-    metas = _all_gather_padded(meta, 1, world_size)[:, 0]              # (W, 3): count, lo, hi
-    width = int(metas[:, 0].max())
-    if width == 0:                                                    # nobody asks for anything
-        return table_shard.new_empty((row_ids.numel(), table_shard.size(1)))
-    asked = _all_gather_padded(ids, width, world_size, fill=-1)       # (W, width): every rank's ids
-    # answer each asker: the rows this rank owns, zeros elsewhere (padding -1 is never owned)
-    mine = (asked >= lo) & (asked < hi)
-    answers = table_shard.new_zeros((world_size, width, table_shard.size(1)))
-    answers[mine] = table_shard[asked[mine] - lo]
-    received = torch.empty_like(answers)                              # received[o]: owner o's answer
-    dist.all_to_all_single(received, answers)
-    # keep, per id, the answer of the rank whose [lo, hi) holds it
-    owned = (ids[None, :] >= metas[:, 1:2]) & (ids[None, :] < metas[:, 2:3])  # (W, n)
-    if ids.numel() and not bool(owned.any(0).all()):
-        missing = ids[~owned.any(0)]
-        raise IndexError(f"pull_rows: no rank owns rows {missing[:8].tolist()} (ranks own "
-                         f"{[tuple(r) for r in metas[:, 1:].tolist()]})")
-    owner = owned.int().argmax(0)                                     # (n,)
-    rows = received[owner, torch.arange(ids.numel(), device=device)]  # (n, D)
-    return rows[inverse]
-
-
 class NgramRowOptimizer:
     """Row-sparse Adam of the n-gram table on this rank's contiguous row shard (record #360,
-    modules §4.4-4.5): each step's (row ids [2T], sink gradient [2T, D]) are held until the next
-    table event, then summed per row over the cycle and the ranks and applied by
-    optim.adam.row_sparse_adam_event. The last cycle of a run has no event (record #360 too)."""
+    modules §4.4-4.5), with no host sync on the device side.
 
-    def __init__(self, shard: Tensor, rows_per_rank: int, manager: OptimizerManager):
-        if shard.size(0) != rows_per_rank:
-            raise ValueError(f"n-gram shard has {shard.size(0)} rows, expected rows_per_rank={rows_per_rank}")
-        self.shard, self.manager = shard, manager
-        self.lo = manager.rank * rows_per_rank
-        self.hi = self.lo + rows_per_rank
-        self.state = RowAdamState.zeros(rows_per_rank, device=shard.device)
-        self._ids: list[Tensor] = []
-        self._grads: list[Tensor] = []
+    Each step's sink gradient (2T, D) is merged per distinct row with its pull plan's inverse
+    (fp32 index_add_ from zero, in position order) and held with the plan. At a table event
+    `exchange.push` sums each rank's held steps per row (step order), sends every owner its rows
+    along the pulls' routes reversed and merges them per row (sender order), all with indices
+    planned on the host; then optim.adam.row_sparse_adam_event updates the touched rows. The sums
+    are bitwise those of the former all-gather implementation on CPU (same order, fp32 from zero).
+    The last cycle of a run has no event (record #360 too)."""
 
-    def accumulate(self, row_ids: Tensor, sink_grad: Tensor) -> None:
-        """Hold one step's gradient rows (merged per row to keep the cycle's buffer small)."""
-        if row_ids.dim() != 1 or sink_grad.shape != (row_ids.numel(), self.shard.size(1)):
-            raise ValueError(f"n-gram gradient: expected row ids [N] and sink gradient [N, "
-                             f"{self.shard.size(1)}], got {tuple(row_ids.shape)} and {tuple(sink_grad.shape)}")
-        ids, summed = merge_rows(row_ids.long(), sink_grad)
-        self._ids.append(ids)
-        self._grads.append(summed)
+    def __init__(self, shard: Tensor, rows_per_rank: int, manager: OptimizerManager, exchange: RowExchange):
+        if shard.dim() != 2 or shard.size(0) != rows_per_rank:
+            raise ValueError(f"n-gram shard must be [rows_per_rank={rows_per_rank}, D], got {tuple(shard.shape)}")
+        if exchange.rows_per_rank != rows_per_rank:
+            raise ValueError(f"n-gram exchange splits {exchange.num_rows} rows into {exchange.rows_per_rank} "
+                             f"per rank, expected rows_per_rank={rows_per_rank}")
+        if (exchange.rank, exchange.world_size) != (manager.rank, manager.world_size):
+            raise ValueError(f"n-gram exchange is rank {exchange.rank} of {exchange.world_size}, the optimizer "
+                             f"manager rank {manager.rank} of {manager.world_size}")
+        self.shard, self.manager, self.exchange = shard, manager, exchange
+        schedule = manager.schedule
+        events = sum(1 for s in range(schedule.total_steps) if schedule.is_table_event(s))
+        self.state = RowAdamState.zeros(rows_per_rank, device=shard.device, capacity=events)
+        self._held: list[tuple[RowPlan, Tensor]] = []     # this cycle's (plan, (U_k, D) fp32)
+
+    def accumulate(self, plan: RowPlan, sink_grad: Tensor) -> None:
+        """Hold one step's gradient rows, merged per distinct row of the plan."""
+        d = self.shard.size(1)
+        if sink_grad.shape != (plan.num_ids, d):
+            raise ValueError(f"n-gram sink gradient: expected [N={plan.num_ids}, {d}] (one row per id of "
+                             f"the plan), got {tuple(sink_grad.shape)}")
+        merged = torch.zeros((plan.unique.size, d), dtype=torch.float32, device=self.shard.device)  # (U, D)
+        merged.index_add_(0, plan.inverse_dev, sink_grad.float())
+        self._held.append((plan, merged))
 
     @torch.no_grad()
     def step(self, step: int) -> bool:
-        """Apply the held gradients if `step` is a table event; returns whether it was."""
+        """Apply the held gradients if `step` is a table event (a collective then, on every rank);
+        returns whether it was."""
         if not self.manager.schedule.is_table_event(step):
             return False
-        d = self.shard.size(1)
-        ids = torch.cat(self._ids) if self._ids else torch.empty(0, dtype=torch.int64, device=self.shard.device)
-        grads = torch.cat(self._grads) if self._grads else self.shard.new_zeros((0, d), dtype=torch.float32)
-        local, summed = gather_owned_rows(ids, grads, self.lo, self.hi, self.manager.world_size)
-        row_sparse_adam_event(self.shard, self.state, local, summed, **self.manager.ngram_event_hparams(step))
-        self._ids.clear()
-        self._grads.clear()
+        rows, sums = self.exchange.push(self._held, self.shard.size(1))     # (M,), (M, D)
+        row_sparse_adam_event(self.shard, self.state, rows, sums, **self.manager.ngram_event_hparams(step))
+        self._held.clear()
         return True
 
     def reset(self) -> None:
         self.state.zero_()
-        self._ids.clear()
-        self._grads.clear()
+        self._held.clear()

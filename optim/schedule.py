@@ -9,6 +9,10 @@ see an edit before renting GPUs:
 
 Steps are 0-based; a run has `total_steps` training steps and the final validation is "step
 total_steps", which belongs to the last stage.
+
+A compiled model keeps one graph per step *geometry* (`StepSettings.geometry`: shapes, windows,
+which loss terms exist); the loss weights that change inside a geometry reach it as tensors
+(`StepWeights`), so the timed loop never recompiles.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass
+
+import torch
 
 from config import SCHEDULE_PRESETS, ScheduleConfig, StageConfig
 
@@ -46,6 +52,14 @@ class StepSettings:
     softmax_p: int
     adam_step: bool
     table_event: bool
+
+    @property
+    def geometry(self) -> tuple:
+        """What the compiled forward specializes on: tokens, doc cap (max segment), sampled-softmax
+        width, MTP count, whether the prefix term exists, and the windows (YaRN tables and scales
+        change with them). Steps with equal geometry share one compiled graph."""
+        return (self.batch_tokens, self.doc_cap, self.softmax_p, len(self.mtp_weights), self.prefix_weight != 0,
+                self.ws_short, self.ws_long)
 
 
 class TrainingSchedule:
@@ -204,6 +218,35 @@ class TrainingSchedule:
                             ws_short=ws_short, ws_long=ws_long, mtp_weights=self.mtp_weights(step),
                             prefix_weight=self.prefix_weight(step), softmax_p=self.softmax_p(step),
                             adam_step=self.is_adam_step(step), table_event=self.is_table_event(step))
+
+
+class StepWeights:
+    """The schedule's per-step loss weights as device tensors whose values change in place.
+
+    Record #360 passes its MTP and prefix weights to the compiled model as tensors: a Python float
+    would be a constant of the graph, and every new value a recompile. Every step's weights are
+    tabulated on the device once, off the clock; `load(step)` copies that step's row into two
+    static buffers (a device-side copy: no host staging, no sync, nothing a later step can race)
+    and returns views of them at the step's static length.
+    """
+
+    def __init__(self, schedule: TrainingSchedule, device=None):
+        settings = [schedule.settings(s) for s in range(schedule.total_steps)]
+        width = max(len(s.mtp_weights) for s in settings)
+        mtp = [list(s.mtp_weights) + [0.0] * (width - len(s.mtp_weights)) for s in settings]
+        self.mtp_table = torch.tensor(mtp, dtype=torch.float32, device=device)  # (steps, K_max)
+        self.prefix_table = torch.tensor([s.prefix_weight for s in settings], dtype=torch.float32,
+                                         device=device)  # (steps,)
+        self.mtp = torch.zeros(width, dtype=torch.float32, device=device)  # (K_max,) read by the model
+        self.prefix = torch.zeros((), dtype=torch.float32, device=device)
+        self.num_mtp = [len(s.mtp_weights) for s in settings]
+        self.prefix_on = [s.prefix_weight != 0 for s in settings]
+
+    def load(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(MTP weights [K], prefix weight 0-D or None when the step has no prefix term) of `step`."""
+        self.mtp.copy_(self.mtp_table[step])
+        self.prefix.copy_(self.prefix_table[step])
+        return self.mtp[: self.num_mtp[step]], self.prefix if self.prefix_on[step] else None
 
 
 def format_stage_table(sched: TrainingSchedule, world_size: int = 8) -> str:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from perf.backend import Backend, current, require_fast_path
+from perf.backend import Backend, current, host_checks, require_fast_path
 
 
 def segment_ids(cu_seqlens: Tensor, num_positions: int) -> Tensor:
@@ -64,8 +64,10 @@ def check_cu_seqlens(cu_seqlens: Tensor, num_tokens: int) -> None:
 
 
 def _check_segments(cu_seqlens: Tensor, num_tokens: int) -> None:
-    """check_cu_seqlens, except inside torch.compile (reading cu_seqlens on the host would break the graph)."""
-    if not torch.compiler.is_compiling():
+    """check_cu_seqlens where host checks run (perf.backend.host_checks: eager, CPU by default);
+    reading cu_seqlens on the host would stall a GPU and break a compiled graph. The loader builds
+    cu_seqlens on the host and checks its shape there."""
+    if host_checks():
         check_cu_seqlens(cu_seqlens, num_tokens)
 
 

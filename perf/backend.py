@@ -8,6 +8,12 @@ can be overridden with environment variables (read once, at first use):
     SPEEDRUN_FP8=0|1             fp8 training MLP / lm_head (default: 1 where fp8 GEMMs run: SM89+, and CPU)
     SPEEDRUN_ATTENTION=sdpa|flex|fa3   attention backend (default: fa3 on SM90, flex on other CUDA, sdpa on CPU)
     SPEEDRUN_COMPILE=0|1         torch.compile the model (default: 1 on CUDA, 0 on CPU)
+    SPEEDRUN_COMPILE_BACKEND=inductor|aot_eager|eager   torch.compile's backend (default inductor;
+                                 aot_eager and eager trace exactly what a GPU run traces, on CPU, in tests)
+    SPEEDRUN_SYNC_CHECK=0|1      fail on any host sync inside the timed training step (perf/sync_check.py)
+    SPEEDRUN_HOST_CHECKS=0|1     debugging checks that read tensor values on the host (index ranges, ...):
+                                 default 1 on CPU, 0 on CUDA and under SPEEDRUN_SYNC_CHECK=1 (a GPU would
+                                 wait on them); never inside torch.compile
 
 A record run never falls back silently: `require_fast_path` lists everything the record needs that
 this backend lacks, and the record preset stops with that message.
@@ -21,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 ATTENTION_BACKENDS = ("sdpa", "flex", "fa3")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # the record: inductor; the others trace the same graphs
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,9 @@ class Backend:
     fp8: bool
     attention: str
     compile: bool
+    compile_backend: str = "inductor"
+    sync_check: bool = False  # the timed step fails on a host sync (perf/sync_check.py)
+    host_checks: bool = False  # value checks that read tensors on the host (see host_checks())
 
     @property
     def is_fast_path(self) -> bool:
@@ -57,6 +67,10 @@ def detect(env=os.environ, device: str | None = None) -> Backend:
     attention = env.get("SPEEDRUN_ATTENTION") or ("fa3" if sm == 90 else "flex" if device == "cuda" else "sdpa")
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"SPEEDRUN_ATTENTION must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+    compile_backend = env.get("SPEEDRUN_COMPILE_BACKEND") or "inductor"
+    if compile_backend not in COMPILE_BACKENDS:
+        raise ValueError(f"SPEEDRUN_COMPILE_BACKEND must be one of {COMPILE_BACKENDS}, got {compile_backend!r}")
+    sync_check = _env_flag(env, "SPEEDRUN_SYNC_CHECK", False)
     triton = _env_flag(env, "SPEEDRUN_TRITON", device == "cuda")
     if triton and device == "cpu" and env.get("TRITON_INTERPRET") != "1":
         raise ValueError("SPEEDRUN_TRITON=1 on CPU runs Triton's interpreter: set TRITON_INTERPRET=1 too")
@@ -67,6 +81,9 @@ def detect(env=os.environ, device: str | None = None) -> Backend:
         fp8=_env_flag(env, "SPEEDRUN_FP8", device == "cpu" or sm >= 89),  # torch._scaled_mm: SM89+ or CPU
         attention=attention,
         compile=_env_flag(env, "SPEEDRUN_COMPILE", device == "cuda"),
+        compile_backend=compile_backend,
+        sync_check=sync_check,
+        host_checks=_env_flag(env, "SPEEDRUN_HOST_CHECKS", device == "cpu" and not sync_check),
     )
 
 
@@ -85,9 +102,19 @@ def require_fast_path(backend: Backend) -> None:
         missing.append(f"FA3 attention (SPEEDRUN_ATTENTION={backend.attention})")
     if not backend.compile:
         missing.append("torch.compile (SPEEDRUN_COMPILE=0)")
+    elif backend.compile_backend != "inductor":
+        missing.append(f"inductor (SPEEDRUN_COMPILE_BACKEND={backend.compile_backend})")
     if missing:
         raise RuntimeError("the record preset needs the fast path, but this run lacks: " + "; ".join(missing)
                            + ". Use --config dev (1-8 CUDA GPUs) or --config smoke (CPU) instead.")
+
+
+def host_checks() -> bool:
+    """Whether to run the debugging checks that read tensor values on the host (index ranges, a
+    target outside the candidate set, ...). On a GPU each one is a host sync, and inside
+    torch.compile a data-dependent branch, so they run only in eager mode with the switch on
+    (the CPU default; the CPU "as on GPU" runs, SPEEDRUN_SYNC_CHECK=1, turn it off)."""
+    return not torch.compiler.is_compiling() and current().host_checks
 
 
 _current: Backend | None = None

@@ -7,7 +7,12 @@ torch.compile(model, dynamic=False, fullgraph=True) and raises dynamo's recompil
 each distinct step shape (tokens per rank, windows, MTP count, sampled-softmax width P, ...) is its
 own graph. The speedrun's rules forbid extra torch._inductor.config flags, so none are set here.
 On the portable path (`perf.backend.current().compile` is False: CPU by default, or SPEEDRUN_COMPILE=0)
-the model is returned as it is.
+the model is returned as it is. SPEEDRUN_COMPILE_BACKEND=aot_eager (or eager) compiles with that
+backend instead of inductor: dynamo and AOT autograd trace the same Python on a CPU as on a GPU, so
+CPU tests see every graph break and recompile a GPU run would meet (the record requires inductor).
+
+`compiled_graphs()` reads dynamo's own counters: how many graphs it compiled so far, and the
+train loop logs `compiled graphs: warmup N, timed M` from two readings.
 """
 from __future__ import annotations
 
@@ -24,4 +29,14 @@ def compile_model(model: torch.nn.Module, backend: Backend | None = None) -> tor
     if not backend.compile:
         return model
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
-    return torch.compile(model, dynamic=False, fullgraph=True)
+    if backend.compile_backend == "inductor":
+        return torch.compile(model, dynamic=False, fullgraph=True)
+    return torch.compile(model, backend=backend.compile_backend, dynamic=False, fullgraph=True)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (its `unique_graphs` counter): each
+    new step geometry adds one; a recompile in the timed loop shows up as a difference."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -17,6 +17,12 @@ E4M3_MAX = torch.finfo(E4M3).max  # 448
 E5M2_MAX = torch.finfo(E5M2).max  # 57344
 
 
+def _scale(value: float, device) -> Tensor:
+    """A static fp32 0-D scale made on the device by a fill (torch.tensor would copy it from
+    pageable host memory: a sync on a GPU, and a non-fake constant under dynamo's meta tracing)."""
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
 def quantize(x: Tensor, scale: Tensor | float, dtype: torch.dtype) -> Tensor:
     """Saturating fp8 cast of x / scale: fp32 divide, clamp to the format's range, round to nearest."""
     fmax = torch.finfo(dtype).max
@@ -72,8 +78,8 @@ class Fp8LMHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, cols: Tensor | None) -> Tensor:
-        x_s = torch.tensor(LM_HEAD_X_SCALE, device=x.device)
-        w_s = torch.tensor(LM_HEAD_W_SCALE, device=x.device)
+        x_s = _scale(LM_HEAD_X_SCALE, x.device)
+        w_s = _scale(LM_HEAD_W_SCALE, x.device)
         x8 = quantize(x, x_s, E4M3)  # (T, D)
         w8 = quantize_lm_head(w)  # (D, V)
         if cols is not None:
@@ -87,9 +93,9 @@ class Fp8LMHeadFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         x8, w8, cols = ctx.saved_tensors
-        x_s = torch.tensor(LM_HEAD_X_SCALE, device=g.device)
-        w_s = torch.tensor(LM_HEAD_W_SCALE, device=g.device)
-        g_s = torch.tensor(LM_HEAD_GRAD_SCALE, device=g.device)
+        x_s = _scale(LM_HEAD_X_SCALE, g.device)
+        w_s = _scale(LM_HEAD_W_SCALE, g.device)
+        g_s = _scale(LM_HEAD_GRAD_SCALE, g.device)
         g8 = quantize(g, g_s, E5M2)  # (T, N)
         dx = scaled_mm(g8, w8.t(), g_s, w_s, ctx.x_dtype, False) if ctx.needs_input_grad[0] else None
         dw = None
@@ -126,7 +132,7 @@ class Fp8QKVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_qk: Tensor, w_v: Tensor, sa0: Tensor) -> Tensor:
         w = torch.cat([w_qk, w_v])  # (R, D)
-        x_s = torch.tensor(QKV_X_SCALE, device=x.device)
+        x_s = _scale(QKV_X_SCALE, x.device)
         w_s = (w.detach().abs().amax().float().clamp(min=1e-12) / E4M3_MAX)  # exact, per layer
         x8, w8 = quantize(x, x_s, E4M3), quantize(w, w_s, E4M3)
         sa0_val = sa0.detach().float()
@@ -140,7 +146,7 @@ class Fp8QKVFunction(torch.autograd.Function):
         x8, w8, w, sa0 = ctx.saved_tensors
         x_s, w_s, sa0_val = ctx.scales
         x_dtype, w_dtype = ctx.dtypes
-        g_s = torch.tensor(QKV_GRAD_SCALE, device=g.device)
+        g_s = _scale(QKV_GRAD_SCALE, g.device)
         g8 = quantize(g, g_s, E4M3)  # (T, R)
         dw_folded = scaled_mm(g8.t(), x8, g_s, x_s, w_dtype, False)  # (R, D) = dL/d(sa0·W)
         dx = scaled_mm(g8, w8, g_s, w_s * sa0_val, x_dtype, False)  # (T, D)

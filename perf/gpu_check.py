@@ -460,24 +460,35 @@ def check_mlp(ctx: Context) -> list[Result]:
     ]
 
 
-@register("model_step")
-def check_model_step(ctx: Context) -> list[Result]:
-    """One forward + backward + optimizer step of the model at one rank's stage-2 record shapes
-    (49,152 tokens, doc cap 3072, windows (5, 11), sampled softmax P = 14,336), on the current
-    backend against the portable path: loss parity (relative), step time and peak memory.
+@dataclass
+class RecordStep:
+    """One rank's stage-2 record-shaped training step, built once for model_step and model_compile."""
+    preset: str
+    step: int
+    settings: object
+    schedule: object
+    model: torch.nn.Module
+    table: object
+    manager: object
+    exchange: object
+    plan: object
+    batch: object
+    candidates: torch.Tensor
 
-    One GPU holds the `dev` model (the record's, with an 8.4M-row n-gram table) and its optimizer
-    updates every bank matrix (8× one rank's share); not compiled (compilation takes minutes).
-    A dry run uses the smoke model and the portable path on both sides (plumbing only)."""
+
+def _record_step(ctx: Context) -> RecordStep:
+    """The `dev` model (the record's, with an 8.4M-row n-gram table) at the first stage-2 step, one
+    rank's batch of the 8 (49,152 tokens, doc cap 3072, windows (5, 11), P = 14,336); a dry run
+    takes the smoke model instead."""
     from config import MODEL_PRESETS, OPTIM_PRESETS, SCHEDULE_PRESETS
     from data.loader import dummy_batch
     from data.ngram import ngram_hash_sizes
     from model.embeddings import NgramTable
-    from model.gpt import GPT, StepArgs
+    from model.gpt import GPT
     from model.loss import CandidateSampler
-    from optim.manager import OptimizerManager, pull_rows
+    from optim.manager import OptimizerManager, RowExchange
     from optim.schedule import TrainingSchedule
-    from perf.backend import current, use_backend
+    from perf.backend import current
 
     preset, ranks = ("smoke", 2) if ctx.dry_run else ("dev", 8)
     cfg, schedule = MODEL_PRESETS[preset], TrainingSchedule(SCHEDULE_PRESETS[preset])
@@ -489,13 +500,31 @@ def check_model_step(ctx: Context) -> list[Result]:
     manager = OptimizerManager(model.named_parameters(), schedule, OPTIM_PRESETS[preset])
     model.value_embed_grad_buffer = manager.cycle_gradient("value_embeds")
     model.refresh_fp8()
-    batch = dummy_batch(s.batch_tokens // ranks, s.doc_cap, **ngram_hash_sizes(cfg)).to(ctx.device)
-    candidates = CandidateSampler(cfg.vocab_size).candidates(batch.targets.cpu(), s.softmax_p).to(ctx.device)
+    host_batch = dummy_batch(s.batch_tokens // ranks, s.doc_cap, **ngram_hash_sizes(cfg))
+    exchange = RowExchange(table.num_rows, 0, 1, ctx.device)
+    plan = exchange.plan(host_batch.ngram_ids)  # planned on the host, before the upload
+    batch = host_batch.to(ctx.device)
+    candidates = CandidateSampler(cfg.vocab_size).candidates(host_batch.targets, s.softmax_p).to(ctx.device)
+    return RecordStep(preset, step, s, schedule, model, table, manager, exchange, plan, batch, candidates)
+
+
+@register("model_step")
+def check_model_step(ctx: Context) -> list[Result]:
+    """One forward + backward + optimizer step of the model at one rank's stage-2 record shapes
+    (`_record_step`), on the current backend against the portable path: loss parity (relative),
+    step time and peak memory. The optimizer updates every bank matrix (8× one rank's share); not
+    compiled (model_compile does that). A dry run uses the smoke model and the portable path on
+    both sides (plumbing only)."""
+    from model.gpt import StepArgs
+    from perf.backend import use_backend
+
+    r = _record_step(ctx)
+    s, model, manager, batch, step, preset = r.settings, r.model, r.manager, r.batch, r.step, r.preset
     args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=s.mtp_weights, prefix_weight=s.prefix_weight,
-                    candidates=candidates, max_seq_len=batch.max_seq_len)
+                    candidates=r.candidates, max_seq_len=batch.max_seq_len)
 
     def loss():
-        rows = pull_rows(table.rows, table.lo, table.hi, batch.ngram_ids, 1).requires_grad_(True)
+        rows = r.exchange.pull(r.table.rows, r.plan).requires_grad_(True)
         return model(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
 
     def train_step():
@@ -518,6 +547,54 @@ def check_model_step(ctx: Context) -> list[Result]:
     case = f"{preset} model, {batch.inputs.numel()} tokens, P={s.softmax_p}, windows {(s.ws_short, s.ws_long)}"
     return [Result("model_step", case, abs(value - reference) / abs(reference), 2e-2, "rel", kernel_ms=kernel_ms,
                    torch_ms=torch_ms, peak_mib=peak, note=f"loss {value:.5f} vs portable {reference:.5f}")]
+
+
+@register("model_compile")
+def check_model_compile(ctx: Context) -> list[Result]:
+    """The record-shaped training forward + backward compiled as a record run compiles it
+    (perf/compile.py: fullgraph, static shapes, inductor; a dry run: the smoke model with
+    aot_eager). Reports the first step's compile time, the compiled step's time against eager, and,
+    as the error, how many graphs a second step of the same geometry with other loss weights
+    compiles (must be 0: the weights are in-place tensors, optim/schedule.py StepWeights)."""
+    from dataclasses import replace
+
+    from model.gpt import StepArgs
+    from optim.schedule import StepWeights
+    from perf.backend import current
+    from perf.compile import compile_model, compiled_graphs
+
+    r = _record_step(ctx)
+    s, batch = r.settings, r.batch
+    backend = replace(current(), compile=True, compile_backend="aot_eager" if ctx.dry_run else "inductor")
+    compiled = compile_model(r.model, backend)
+    weights = StepWeights(r.schedule, ctx.device)
+
+    def train_step(forward, step):
+        mtp, prefix = weights.load(step)
+        args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp, prefix_weight=prefix,
+                        candidates=r.candidates, max_seq_len=batch.max_seq_len)
+        rows = r.exchange.pull(r.table.rows, r.plan).requires_grad_(True)
+        forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args).backward()
+        r.model.zero_grad(set_to_none=True)
+
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    t0 = time.perf_counter()
+    train_step(compiled, r.step)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    compile_s, first = time.perf_counter() - t0, compiled_graphs() - before
+    same_geometry = r.step + 1
+    assert r.schedule.settings(same_geometry).geometry == s.geometry
+    train_step(compiled, same_geometry)
+    recompiled = compiled_graphs() - before - first
+    compiled_ms = ctx.time_ms(lambda: train_step(compiled, same_geometry))
+    eager_ms = ctx.time_ms(lambda: train_step(r.model, same_geometry))
+    torch._dynamo.reset()
+    case = f"{r.preset} model, {batch.inputs.numel()} tokens, P={s.softmax_p}, {backend.compile_backend}"
+    return [Result("model_compile", case, float(recompiled), 0.0, "graphs", kernel_ms=compiled_ms, torch_ms=eager_ms,
+                   note=f"first step compiled {first} graph(s) in {compile_s:.1f} s; a second step compiled "
+                        f"{recompiled}")]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPU_TESTS_TIMEOUT_S = 240  # keeps the whole script inside its 8-minute budget

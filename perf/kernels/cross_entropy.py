@@ -48,7 +48,9 @@ def _check_inputs(logits: Tensor, targets: Tensor, prefix_targets: Tensor | None
 
 def _as_weight(w, device) -> Tensor:
     """A float or 0-D tensor weight as an fp32 0-D tensor on `device` (no host sync)."""
-    return torch.as_tensor(w, dtype=torch.float32, device=device).reshape(())
+    if isinstance(w, Tensor):
+        return w.to(device=device, dtype=torch.float32).reshape(())
+    return torch.full((), float(w), dtype=torch.float32, device=device)  # a fill: no host copy
 
 
 # ------------------------------------------------------------------------------------------------
@@ -94,8 +96,11 @@ def softcapped_loss_sum_portable(logits: Tensor, targets: Tensor, mtp_weights, p
         picks.append(torch.stack([rows, prefix_targets], dim=1))
         weights.append(_as_weight(prefix_weight, device).expand(T))
     picks, weights = torch.cat(picks), torch.cat(weights)
+    # a skipped term keeps its slot with weight 0 (class 0 stands in): fixed sizes, no host sync
     valid = (picks[:, 1] >= 0) & (picks[:, 1] < N)
-    return _SoftcappedLoss.apply(logits, picks[valid], weights[valid])
+    picks = torch.where(valid[:, None], picks, 0)
+    weights = torch.where(valid, weights, 0.0)
+    return _SoftcappedLoss.apply(logits, picks, weights)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -459,7 +459,9 @@ def fp8_mlp(x: Tensor, w1: Tensor, w2: Tensor, p: Tensor | None, state: Fp8MLPSt
         raise ValueError(f"fp8_mlp: x must be [T, D], got {tuple(x.shape)}")
     if p is not None and p.dim() != 0:
         raise ValueError(f"fp8_mlp: the folded post λ must be 0-D, got {tuple(p.shape)}")
-    if state.refresh_calls == 0:
+    # refresh_calls is a host counter: read under torch.compile it would be a guard, and every
+    # refresh a recompile, so the check runs in eager mode only
+    if not torch.compiler.is_compiling() and state.refresh_calls == 0:
         raise RuntimeError("fp8_mlp: the fp8 weight caches are empty; call refresh(bank) after each "
                            "optimizer step and once before the first training forward")
     if x8 is None:

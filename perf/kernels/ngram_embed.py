@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from perf.backend import current
+from perf.backend import current, host_checks
 
 
 def _check(rows: torch.Tensor, sign_pool: torch.Tensor, sign_rows: torch.Tensor) -> None:
@@ -38,8 +38,8 @@ def _check(rows: torch.Tensor, sign_pool: torch.Tensor, sign_rows: torch.Tensor)
     if not (rows.device == sign_pool.device == sign_rows.device):
         raise ValueError(f"ngram_embed: rows, sign_pool, sign_rows must share a device, got "
                          f"{rows.device}, {sign_pool.device}, {sign_rows.device}")
-    # A range check reads the ids on the host; on a GPU that would stall the stream, so it runs on CPU only.
-    if sign_rows.device.type == "cpu" and sign_rows.numel() and (
+    # A range check reads the ids on the host: a stall on a GPU, a graph break under compile (host_checks()).
+    if host_checks() and sign_rows.numel() and (
             int(sign_rows.min()) < 0 or int(sign_rows.max()) >= sign_pool.shape[0]):
         raise IndexError(f"ngram_embed: sign_rows must lie in [0, {sign_pool.shape[0]}), got range "
                          f"[{int(sign_rows.min())}, {int(sign_rows.max())}]")

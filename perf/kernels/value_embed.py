@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from perf.backend import current
+from perf.backend import current, host_checks
 
 
 def _check_ids(name: str, table: torch.Tensor, ids: torch.Tensor) -> None:
@@ -33,8 +33,8 @@ def _check_ids(name: str, table: torch.Tensor, ids: torch.Tensor) -> None:
         raise TypeError(f"{name}: ids must be int32 or int64, got {ids.dtype}")
     if ids.device != table.device:
         raise ValueError(f"{name}: ids are on {ids.device} but the table is on {table.device}")
-    # A range check reads the ids on the host; on a GPU that would stall the stream, so it runs on CPU only.
-    if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
+    # A range check reads the ids on the host: a stall on a GPU, a graph break under compile (host_checks()).
+    if host_checks() and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
         raise IndexError(f"{name}: ids must lie in [0, {table.shape[0]}), got range "
                          f"[{int(ids.min())}, {int(ids.max())}]")
 
@@ -61,11 +61,24 @@ def gather_rows_portable(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor
 
 
 def scatter_add_rows_portable_(dst: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Sizes fixed by N (no torch.unique, no host sync): a stable sort groups the repeats of each
+    row in their original order, so each row's fp32 sum adds its gradients in input order."""
     _check_scatter(dst, ids, grad)
-    rows, slot = torch.unique(ids, return_inverse=True)  # each distinct row once
-    sums = torch.zeros((rows.numel(), dst.shape[1]), dtype=torch.float32, device=dst.device)
-    sums.index_add_(0, slot, grad.float())  # duplicates summed in fp32
-    dst[rows] = (dst[rows].float() + sums).to(dst.dtype)  # one rounding per row
+    n = ids.numel()
+    if n == 0:
+        return dst
+    sorted_ids, order = torch.sort(ids.long(), stable=True)  # (N,)
+    run_start = torch.ones(n, dtype=torch.bool, device=ids.device)
+    run_start[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    slot = torch.cumsum(run_start, 0) - 1  # (N,) which distinct row (run) each sorted entry adds to
+    sums = torch.zeros((n, dst.shape[1]), dtype=torch.float32, device=dst.device)
+    sums.index_add_(0, slot, grad[order].float())  # duplicates summed in fp32, in input order
+    run_row = torch.zeros(n, dtype=torch.long, device=ids.device).scatter_(0, slot, sorted_ids)  # (N,)
+    # slots past the last run are unused: they repeat run 0 (same row, same value), a harmless write
+    used = torch.arange(n, device=ids.device) <= slot[-1]
+    run_row = torch.where(used, run_row, run_row[0])
+    sums = torch.where(used[:, None], sums, sums[0])
+    dst.index_put_((run_row,), (dst[run_row].float() + sums).to(dst.dtype))  # one rounding per row
     return dst
 
 

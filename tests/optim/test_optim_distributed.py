@@ -25,7 +25,7 @@ WORKER = textwrap.dedent('''
     import datetime, sys
     import torch, torch.distributed as dist
     from config import SCHEDULE_PRESETS
-    from optim.manager import NgramRowOptimizer, OptimizerManager
+    from optim.manager import NgramRowOptimizer, OptimizerManager, RowExchange
     from optim.schedule import TrainingSchedule
     from optim.standin import StandInParams
     from optim.tail_average import TailAverages
@@ -41,11 +41,12 @@ WORKER = textwrap.dedent('''
     tails = TailAverages(mgr, sched)
     table = (torch.randn(64, 32, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16()
     rows = 64 // world
-    ngram = NgramRowOptimizer(table[rank * rows:(rank + 1) * rows].clone(), rows, mgr)
+    exchange = RowExchange(64, rank, world, "cpu")
+    ngram = NgramRowOptimizer(table[rank * rows:(rank + 1) * rows].clone(), rows, mgr, exchange)
     for step in range(sched.total_steps):
         model.random_grads(seed=step)        # identical on every rank
         g = torch.Generator().manual_seed(1000 + step)
-        ngram.accumulate(torch.randint(0, 64, (24,), generator=g, dtype=torch.int32),
+        ngram.accumulate(exchange.plan(torch.randint(0, 64, (24,), generator=g, dtype=torch.int32)),
                          torch.randn(24, 32, generator=g).bfloat16())
         mgr.step(step)
         ngram.step(step)

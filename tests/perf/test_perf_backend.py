@@ -43,3 +43,31 @@ def test_use_backend_restores():
     with be.use_backend(triton=not before.triton) as b:
         assert be.current() is b and b.triton != before.triton
     assert be.current() == before
+
+
+def test_compile_backend_sync_check_and_host_checks():
+    cpu = be.detect(env={}, device="cpu")
+    assert (cpu.compile_backend, cpu.sync_check, cpu.host_checks) == ("inductor", False, True)
+    checked = be.detect(env={"SPEEDRUN_SYNC_CHECK": "1", "SPEEDRUN_COMPILE": "1",
+                             "SPEEDRUN_COMPILE_BACKEND": "aot_eager"}, device="cpu")
+    # the sync check runs the CPU "as on GPU": no host value checks
+    assert (checked.compile, checked.compile_backend, checked.sync_check, checked.host_checks) == \
+        (True, "aot_eager", True, False)
+    assert be.detect(env={"SPEEDRUN_HOST_CHECKS": "0"}, device="cpu").host_checks is False
+    with pytest.raises(ValueError, match="SPEEDRUN_COMPILE_BACKEND must be one of"):
+        be.detect(env={"SPEEDRUN_COMPILE_BACKEND": "cudagraphs"}, device="cpu")
+    fast = be.Backend(device="cuda", sm=90, triton=True, fp8=True, attention="fa3", compile=True,
+                      compile_backend="aot_eager")
+    with pytest.raises(RuntimeError, match=r"inductor \(SPEEDRUN_COMPILE_BACKEND=aot_eager\)"):
+        be.require_fast_path(fast)
+
+
+def test_host_checks_follow_the_switch_and_never_run_inside_compile():
+    with be.use_backend(host_checks=True):
+        assert be.host_checks()
+        seen = []
+        torch.compile(lambda x: seen.append(be.host_checks()) or x + 1, backend="eager", fullgraph=True)(torch.ones(1))
+        assert seen == [False]
+    with be.use_backend(host_checks=False):
+        assert not be.host_checks()
+    torch._dynamo.reset()

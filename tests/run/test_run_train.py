@@ -36,12 +36,18 @@ def _main(records, *args):
                     "--val-tokens", "8192", "--seed", "0", *args])
 
 
-def _torchrun(nproc, *args, timeout=900):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+def _torchrun(nproc, *args, timeout=900, env=None):
+    """stdout of a torchrun of train_gpt.py; with `env`, those variables are added and stderr is
+    merged into the output in order (unbuffered), for TORCH_LOGS."""
+    run_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    run_env.update(env or {})
+    if env:
+        run_env["PYTHONUNBUFFERED"] = "1"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           "train_gpt.py", "--config", "smoke", *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+                           "train_gpt.py", "--config", "smoke", *args], cwd=REPO_ROOT, env=run_env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT if env else subprocess.PIPE,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-5000:] + (proc.stderr or "")[-3000:]
     return proc.stdout
 
 
@@ -150,11 +156,19 @@ def test_one_and_two_ranks_train_the_same_and_checkpoints_round_trip(tmp_path, s
 # ---- the acceptance run: the whole smoke schedule on 2 ranks ---------------------------------------
 
 
+@pytest.fixture(scope="module")
+def eager_smoke_run(tmp_path_factory, shards):
+    """The whole smoke schedule on 2 gloo ranks, seed 0, the portable path: (runs.jsonl entry, stdout)."""
+    records = tmp_path_factory.mktemp("eager_smoke")
+    out = _torchrun(2, "--data-path", str(shards), "--records-dir", str(records), "--seed", "0", timeout=1500)
+    (entry,) = _runs(records)
+    return entry, out
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_smoke_run_on_two_ranks_learns(tmp_path, shards):
-    out = _torchrun(2, "--data-path", str(shards), "--records-dir", str(tmp_path), "--seed", "0", timeout=1500)
-    (entry,) = _runs(tmp_path)
+def test_smoke_run_on_two_ranks_learns(eager_smoke_run):
+    entry, out = eager_smoke_run
     assert entry["status"] == "finished" and entry["steps"] == 70 and entry["world_size"] == 2
     vals = parse_log(open(entry["log_path"]).read()).vals
     untrained, final = vals[0][2], vals[-1][2]
@@ -177,3 +191,125 @@ def test_warmup_then_reset_leaves_no_trace(tmp_path, shards):
     assert "warming up on dummy data" in open(warm["log_path"]).read()
     assert _train_losses(warm["log_path"]) == _train_losses(cold["log_path"])
     assert warm["val_loss"] == cold["val_loss"]
+
+
+# ---- the fast path traces once and never waits (issue: the record step traces once) ---------------
+
+
+def _expected_graphs(schedule, steps: int, val_every: int) -> int:
+    """Graphs a compiled run needs, counted from the schedule's per-step values: one per distinct
+    training shape/flag set, one per distinct windows at an intermediate validation (those of the
+    step before it), one for the final validation."""
+    training = {(schedule.batch_tokens(s), schedule.max_seq_len(s), schedule.softmax_p(s),
+                 len(schedule.mtp_weights(s)), schedule.prefix_weight(s) > 0, schedule.windows(s))
+                for s in range(steps)}
+    validation = {schedule.windows(max(k - 1, 0)) for k in range(0, steps, val_every)}
+    return len(training) + len(validation) + 1
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_smoke_run_traces_once_and_never_syncs(tmp_path, shards, eager_smoke_run):
+    """The acceptance run: compiled fullgraph with aot_eager (what a GPU run traces) on 2 ranks under
+    the sync check, over the whole smoke schedule. Every graph compiles in the warmup, none after
+    (no recompile, no graph break in dynamo's own logs), and it learns like the eager run."""
+    from config import RUN_PRESETS
+    from optim.schedule import TrainingSchedule
+
+    env = {"SPEEDRUN_COMPILE": "1", "SPEEDRUN_COMPILE_BACKEND": "aot_eager", "SPEEDRUN_SYNC_CHECK": "1",
+           "TORCH_LOGS": "recompiles,graph_breaks"}
+    out = _torchrun(2, "--data-path", str(shards), "--records-dir", str(tmp_path), "--seed", "0", timeout=1800, env=env)
+    (entry,) = _runs(tmp_path)
+    assert entry["status"] == "finished" and entry["steps"] == 70
+    smoke = RUN_PRESETS["smoke"]
+    schedule = TrainingSchedule(smoke.schedule)
+    expected = _expected_graphs(schedule, schedule.total_steps, smoke.val_every)
+    log = open(entry["log_path"]).read()
+    assert f"compiled graphs: warmup {expected}, timed 0" in log, re.findall(r"compiled graphs.*", log)
+    assert "compiled graphs: validation after the warmup 0" in log
+    after_reset = out.split("resetting model and optimizer state", 1)[1]
+    assert "[__recompiles]" not in after_reset and "[__graph_breaks]" not in after_reset, after_reset[:3000]
+    eager_entry, _ = eager_smoke_run
+    print(f"compiled smoke: val loss {entry['val_loss']:.4f} vs eager {eager_entry['val_loss']:.4f}")
+    assert abs(entry["val_loss"] - eager_entry["val_loss"]) <= 0.02
+
+
+def test_compiled_and_eager_losses_agree_for_three_steps(tmp_path, shards):
+    from perf import backend as perf_backend
+
+    common = ["--data-path", str(shards), "--max-steps", "3", "--log-train-loss"]
+    _main(tmp_path / "eager", *common)
+    torch._dynamo.reset()
+    try:
+        with perf_backend.use_backend(compile=True, compile_backend="aot_eager", host_checks=False):
+            _main(tmp_path / "compiled", *common)
+    finally:
+        torch._dynamo.reset()
+    (eager,), (compiled,) = _runs(tmp_path / "eager"), _runs(tmp_path / "compiled")
+    eager_losses, compiled_losses = _train_losses(eager["log_path"]), _train_losses(compiled["log_path"])
+    assert len(compiled_losses) == 3
+    assert compiled_losses == pytest.approx(eager_losses, rel=1e-4), (compiled_losses, eager_losses)
+    assert compiled["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-4)
+
+
+# Each wrapper adds one host sync to one part of the timed step; the check must stop the run at it.
+def _sync_in_forward(monkeypatch):
+    original = GPT.forward
+
+    def forward(self, *args, **kwargs):
+        loss = original(self, *args, **kwargs)
+        if loss.item() > 1e30:  # INJECTED SYNC forward
+            raise AssertionError
+        return loss
+
+    monkeypatch.setattr(GPT, "forward", forward)
+
+
+def _sync_in_optimizer(monkeypatch):
+    from optim.manager import OptimizerManager
+
+    original = OptimizerManager.step
+
+    def step(self, step):
+        original(self, step)
+        int(self.entries["scalars"].param.argmax())  # INJECTED SYNC optimizer
+
+    monkeypatch.setattr(OptimizerManager, "step", step)
+
+
+def _sync_in_row_exchange(monkeypatch):
+    from optim.row_exchange import RowExchange
+
+    original = RowExchange.pull
+
+    def pull(self, table_shard, plan):
+        rows = original(self, table_shard, plan)
+        bool(rows.isnan().any())  # INJECTED SYNC row exchange
+        return rows
+
+    monkeypatch.setattr(RowExchange, "pull", pull)
+
+
+@pytest.mark.parametrize("inject, where", [(_sync_in_forward, "forward"), (_sync_in_optimizer, "optimizer"),
+                                           (_sync_in_row_exchange, "row exchange")])
+def test_sync_check_names_an_injected_sync(tmp_path, shards, monkeypatch, inject, where):
+    from perf import backend as perf_backend
+    from perf.sync_check import HostSyncError
+
+    inject(monkeypatch)
+    with perf_backend.use_backend(sync_check=True, host_checks=False):
+        with pytest.raises(HostSyncError) as err:
+            _main(tmp_path, "--data-path", str(shards), "--max-steps", "2")
+    msg = str(err.value)
+    assert "aten._local_scalar_dense" in msg and "tests/run/test_run_train.py:" in msg, msg
+    assert f"INJECTED SYNC {where}" in msg, msg
+    assert _runs(tmp_path)[0]["status"] == "failed"
+
+
+def test_sync_check_passes_a_clean_run(tmp_path, shards):
+    from perf import backend as perf_backend
+
+    with perf_backend.use_backend(sync_check=True, host_checks=False):
+        _main(tmp_path, "--data-path", str(shards), "--max-steps", "4")
+    (entry,) = _runs(tmp_path)
+    assert entry["status"] == "finished" and entry["steps"] == 4
