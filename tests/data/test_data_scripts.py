@@ -222,3 +222,14 @@ def test_download_skip_and_reject(tmp_path, hub):
 def test_download_help_as_script(tmp_path):
     result = run([DOWNLOAD, "--help"], cwd=tmp_path)
     assert "kjj0/fineweb10B-gpt2" in result.stdout and "N" in result.stdout
+
+
+def test_shard_folders_are_ignored_by_git():
+    """The README's quick start tokenizes into data/tinyshakespeare/ and downloads into
+    data/fineweb10B/: shards there must not make every later run's log say git_dirty."""
+    if subprocess.run(["git", "rev-parse", "--git-dir"], cwd=REPO_ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    paths = ["data/tinyshakespeare/tinyshakespeare_train_000001.bin", "data/fineweb10B/fineweb_val_000000.bin",
+             "data/loader.py"]
+    done = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert done.stdout.split() == paths[:2]  # the shards are ignored, the code is not
