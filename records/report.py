@@ -83,7 +83,9 @@ def summary_table(groups: dict[str, list[dict]], key: str, baseline: str | None)
         t_margin, df, p = target_test(losses)
         cells = [f"{name} (baseline)" if name == baseline else name, str(len(runs)), _fmt_pm(*_mean_std(times), 3), _fmt_pm(*_mean_std(losses), 5),
                  "n/a" if math.isnan(t_margin) else f"{t_margin:.2f}", str(df), _fmt_p(p)]
-        if base is not None:
+        if base is not None and name == baseline:  # compared with itself: nothing to say
+            cells += ["-"] * 4
+        elif base is not None:
             base_times = [r["train_time_ms"] / 1000 for r in base]
             base_losses = [r["val_loss"] for r in base]
             cells += [f"{statistics.fmean(times) - statistics.fmean(base_times):+.3f}",
@@ -125,6 +127,10 @@ def plot_runs(groups: dict[str, list[dict]], out_path: Path) -> None:
                              label=f"{name} ({len(runs_points)} runs)" if i == 0 else None)
         axes[2].axhline(TARGET_VAL_LOSS, color="k", linestyle="--", linewidth=1)
         axes[2].set(title="val loss curves (from logs)", xlabel="step", ylabel="val loss")
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in axes[:2]:  # runs are counted: whole-number ticks
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -73,6 +73,8 @@ def test_welch_against_baseline_matches_hand_formula(tmp_path, capsys):
     assert float(cells[7]) == pytest.approx(statistics.fmean(new_t) - statistics.fmean(old_t), abs=1e-3)
     assert float(cells[8]) == pytest.approx(welch(new_t, old_t), rel=0.01)
     assert float(cells[10]) == pytest.approx(welch(new_l, old_l), rel=0.01)
+    base_row = next(line for line in captured.out.splitlines() if line.startswith("| old (baseline)"))
+    assert [c.strip() for c in base_row.strip("|").split("|")][7:] == ["-"] * 4  # not compared with itself
 
 
 def test_group_by_label_and_unknown_baseline(tmp_path, capsys):
@@ -88,7 +90,7 @@ def test_group_by_label_and_unknown_baseline(tmp_path, capsys):
     assert "groups: a, b" in capsys.readouterr().err
 
 
-def test_plot_writes_png_with_loss_curves(tmp_path):
+def test_plot_writes_png_with_loss_curves(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     log = tmp_path / "curve.txt"
     log.write_text("\n".join(format_val_line(s, 100, 6.0 - s / 40, s * 20.0) for s in (25, 50, 75, 100)))
@@ -99,8 +101,14 @@ def test_plot_writes_png_with_loss_curves(tmp_path):
                                 "val_loss": 3.5 + i / 100, "train_time_ms": 1000 + i,
                                 "log_path": str(log)}) + "\n")
     out_png = tmp_path / "plot.png"
+    import matplotlib.pyplot as plt
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig) or close(fig))
     assert report.main(["--runs", str(runs), "--plot", str(out_png)]) == 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for ax in figures[0].axes[:2]:  # per-run panels: the run axis has whole-number ticks only
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
 
 
 def test_cli_entry_point_runs_as_module(tmp_path):
