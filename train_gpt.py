@@ -197,7 +197,7 @@ class Run:
         self.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size)
                          for r in setup.virtual_ranks]
         self.windows = self.schedule.windows(0)
-        self.initial_state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        self.initial_state = {k: v.clone() for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
         self.model.refresh_fp8()  # the fp8 weight caches, before the first training forward
         self.forward = compile_model(self.model, setup.backend)  # fullgraph; the module itself when not compiling
         self.hash_sizes = ngram_hash_sizes(cfg.model)  # the loader's n-gram hashes match the model's tables
@@ -283,7 +283,8 @@ class Run:
         """Undo the warmup in place (addresses unchanged): weights, optimizer state, table, samplers."""
         with torch.no_grad():
             for name, t in self.model.state_dict().items():
-                t.copy_(self.initial_state[name])
+                if name in self.initial_state:  # tensors; the YaRN scales (extra state) reset below
+                    t.copy_(self.initial_state[name])
             self.table.rows.zero_()
         self.model.zero_grad(set_to_none=True)
         self.manager.reset()
@@ -330,6 +331,15 @@ def collect_canonical_mask(cfg: RunConfig, setup: Setup, build: CanonicalMaskBui
     if setup.world_size > 1:
         dist.broadcast(mask, 0)
     return mask
+
+
+def softmax_change_line(step: int, total: int, old_p: int, new_p: int, vocab: int) -> str:
+    """The log line at a change of the sampled-softmax width: the training loss is a cross-entropy
+    over P classes (or all V), so it jumps when P changes, most at the switch to the full softmax."""
+    def classes(p: int) -> str:
+        return f"sampled softmax over {p} classes" if p else f"full softmax over {vocab} classes"
+    return (f"step:{step + 1}/{total} training loss from here: {classes(new_p)} (was {classes(old_p)}); "
+            f"the train_loss values jump {'up' if (new_p or vocab) > (old_p or vocab) else 'down'} with it")
 
 
 @contextlib.contextmanager
@@ -473,6 +483,9 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                     log.print0(format_val_line(step, n, val_loss, train_ms), console=True)
                     setup.synchronize()
                     t0 = time.perf_counter()
+                if step and schedule.softmax_p(step) != schedule.softmax_p(step - 1):
+                    log.print0(softmax_change_line(step, n, schedule.softmax_p(step - 1), schedule.softmax_p(step),
+                                                   cfg.model.vocab_size), console=True)
                 with sync_check(setup.device, enabled=setup.backend.sync_check):  # SPEEDRUN_SYNC_CHECK=1
                     with host_side():
                         batches = loader.next_batches(schedule.batch_tokens(step) // cfg.virtual_world_size,

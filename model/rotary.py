@@ -7,6 +7,9 @@ stores it; a paired table packs positions 2t and 2t+1 side by side for the paire
 When the schedule grows the attention window, `rescale(old, new)` interpolates the frequencies
 (YaRN, α = 1, β = 32) and grows the softmax scale by 1 + 0.2·ln(new/old).
 Rows are built on demand for the T positions of a batch (the fast path may cache them).
+The whole YaRN state is in the state_dict: the frequencies as a buffer, the softmax scale (a Python
+float, because attention kernels take it as one) as the module's extra state, so a model loaded
+from a checkpoint validates with the scales it trained with.
 """
 from __future__ import annotations
 
@@ -49,6 +52,12 @@ class Yarn(nn.Module):
         s = old_window / new_window
         self.angular_freq.mul_(s + ramp * (1 - s))
         self.attn_scale *= 1 + YARN_SCALE_GAIN * math.log(new_window / old_window)
+
+    def get_extra_state(self) -> dict:
+        return {"attn_scale": self.attn_scale}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.attn_scale = float(state["attn_scale"])
 
     def tables(self, num_rows: int) -> tuple[Tensor, Tensor]:
         """(factor1, factor2), bf16 [num_rows, head_dim] (paired: [num_rows, 2·head_dim])."""

@@ -165,3 +165,33 @@ def test_window_changes_rescale_the_three_rotary_tables():
     model.rearm_fp8()
     assert model.mlp_fp8.refresh_calls == 0 and model.mlp_fp8.post_amax.abs().sum() == 0
     assert (model.mlp_fp8.dpre_scale == 2.0 ** -6).all() and (model.mlp_fp8.post_scale == 1).all()
+
+
+def test_state_dict_carries_the_whole_yarn_state():
+    """After two window changes (YaRN rescales the frequencies and grows the attention scales), a
+    model rebuilt from the state_dict validates bitwise like the original. The weights are
+    perturbed so that attention matters: a barely trained model's loss hardly depends on the scale."""
+    torch.manual_seed(0)
+    model = GPT(SMOKE)
+    with torch.no_grad():
+        for bank in (model.qk_bank, model.vo_bank):
+            bank.add_(0.3 * torch.randn_like(bank))
+    model.rescale_rotary((1, 3), (3, 7))
+    model.rescale_rotary((3, 7), (5, 11))
+    assert model.yarn.attn_scale != model.yarn.initial_attn_scale
+    batch = _batch(SMOKE, 160, seed=3)
+    step = StepArgs(ws_short=5, ws_long=11, training=False)
+    with torch.no_grad():
+        expected = model(*batch, step)
+        torch.manual_seed(1)
+        loaded = GPT(SMOKE)
+        loaded.load_state_dict(model.state_dict())
+        got = loaded(*batch, step)
+    assert [t.attn_scale for t in (loaded.yarn, loaded.yarn_paired, loaded.yarn_wide)] == \
+        [t.attn_scale for t in (model.yarn, model.yarn_paired, model.yarn_wide)]
+    assert torch.equal(got, expected)
+    fresh = GPT(SMOKE)
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")},
+                          strict=False)
+    with torch.no_grad():
+        assert not torch.equal(fresh(*batch, step), expected)  # the scales matter here

@@ -177,6 +177,13 @@ def test_smoke_run_on_two_ranks_learns(eager_smoke_run):
     assert untrained == pytest.approx(torch.log(torch.tensor(50304.0)).item(), abs=0.05)  # uniform at init
     assert final <= untrained - 1.5
     assert "step:70/70 val_loss:" in out
+    # the train loss jumps where the softmax widens; the log says so at that step
+    from config import RUN_PRESETS
+    from optim.schedule import TrainingSchedule
+    schedule = TrainingSchedule(RUN_PRESETS["smoke"].schedule)
+    full_from = next(s for s in range(1, 70) if schedule.softmax_p(s) == 0 and schedule.softmax_p(s - 1))
+    assert (f"step:{full_from + 1}/70 training loss from here: full softmax over 50304 classes (was sampled "
+            f"softmax over {schedule.softmax_p(full_from - 1)} classes); the train_loss values jump up") in out
 
 
 @pytest.mark.slow
