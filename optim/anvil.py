@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -169,17 +170,31 @@ class BankStepScalars:
     eps: float = 1e-6          # record #360 FROBENIUS_EPS
 
 
+def one_minus_fp32(x: float) -> float:
+    """1 − fp32(x) computed in fp32, as record #360 computes it from its 0-D fp32 scalar tensors
+    (not fp32(1 − x): the two differ in the last bit for most x, e.g. 0.9)."""
+    return float(np.float32(1.0) - np.float32(x))
+
+
+def twin_rail_lookahead(g: Tensor, velocity: Tensor, s: BankStepScalars) -> Tensor:
+    """Update both rails from the fp32 gradient g and return the Nesterov lookahead
+    (1 − μ)·G + μ·blend. The fast rail's lerp weight and the blend's slow weight are 1 − fp32(β)
+    and 1 − fp32(w) in fp32 (record #360 rounds them so); the slow rail's is fp32(1 − 0.98), a
+    constant in record #360 too."""
+    fast, slow = velocity[0], velocity[1]
+    fast.lerp_(g, one_minus_fp32(s.fast_beta))
+    slow.lerp_(g, 1 - s.slow_beta)   # accumulates from step 0; gates the decay
+    blend = s.fast_weight * fast + one_minus_fp32(s.fast_weight) * slow
+    return g.lerp(blend, s.momentum)  # Nesterov lookahead: (1 - mu) G + mu B
+
+
 def anvil_update(p: Tensor, grad: Tensor, state: BankState, s: BankStepScalars) -> None:
     """One ANVIL step on a bank chunk p (bf16 [matrices, rows, cols], updated in place) from its
     rank-averaged gradient `grad` (same shape)."""
-    g = grad.float()
-    fast, slow = state.velocity[0], state.velocity[1]
-    fast.lerp_(g, 1 - s.fast_beta)
-    slow.lerp_(g, 1 - s.slow_beta)   # accumulates from step 0; gates the decay
-    blend = s.fast_weight * fast + (1 - s.fast_weight) * slow
-    u = g.lerp(blend, s.momentum)    # Nesterov lookahead: (1 - mu) G + mu B
+    u = twin_rail_lookahead(grad.float(), state.velocity, s)
     x = anvil_cascade(u.bfloat16(), s.margin, s.eps)
     x = lane_equalize(x, state.lane_energy, s.beta2)
+    slow = state.velocity[1]  # the slow rail gates the decay
     cautious_master_update(p, state.mantissa, x, slow, s.eff_wd, s.eff_lr)
 
 

@@ -111,8 +111,19 @@ class Entry:
     view: Tensor                       # the parameter as the optimizer sees it (banks: [M, R, C])
     shard: RowSharding | None          # None for replicated
     state: object                      # BankState or AdamState
-    matrix_lr: Tensor | None = None    # banks: [chunk, 1, 1] lr_mul * shape mult * per-matrix mul
+    matrix_mults: Tensor | None = None  # banks: [chunk, 1, 1] fp32 per-matrix mul (0 frozen/padding, 2 c_proj, 1)
+    lr_scale: float = 1.0              # banks: lr_mul * shape multiplier (a host double)
     held: Tensor | None = None         # table cadence: the cycle's gradient sum (fp16, record #360)
+
+    @property
+    def matrix_lr(self) -> Tensor:
+        """Per-matrix lr multipliers, [chunk, 1, 1]: per-matrix mul * lr_mul * shape multiplier."""
+        return self.matrix_mults * self.lr_scale
+
+    def bank_eff_lr(self, lr: float) -> Tensor:
+        """[chunk, 1, 1] fp32 effective lr: m · fp32(lr_mul · shape · lr), the product taken in
+        double and rounded once, as record #360 stages it (m is 0, 1 or 2: scaling is exact)."""
+        return self.matrix_mults * (self.lr_scale * lr)
 
     def gradient(self) -> Tensor | None:
         return self.held if self.held is not None else self.param.grad
@@ -169,9 +180,12 @@ class OptimizerManager:
                     mults.append(2.0)            # record #360: c_proj (odd bank index) x2
                 else:
                     mults.append(1.0)
-            matrix_lr = torch.tensor(mults, dtype=torch.float32, device=param.device).view(-1, 1, 1)
-            matrix_lr *= rule.lr_mul * shape_lr_multiplier(chunk_shape)
-            return Entry(name, param, rule, view, shard, state, matrix_lr)
+            if not set(mults) <= {0.0, 1.0, 2.0}:  # bank_eff_lr's single rounding relies on it
+                raise ValueError(f"bank {name!r}: per-matrix lr multipliers must be 0, 1 or 2, got {sorted(set(mults))}")
+            matrix_mults = torch.tensor(mults, dtype=torch.float32, device=param.device).view(-1, 1, 1)
+            # record #360 order: shape multiplier * table lr_mul, then * per-matrix mul * lr
+            lr_scale = shape_lr_multiplier(chunk_shape) * rule.lr_mul
+            return Entry(name, param, rule, view, shard, state, matrix_mults, lr_scale)
         if rule.optim != "adam":
             raise ValueError(f"parameter {name!r}: unknown optim {rule.optim!r}")
         # Table-cadence gradients (value_embeds) are summed over the cycle in an fp16 buffer, as
@@ -211,7 +225,7 @@ class OptimizerManager:
             fast_beta, fast_weight = rail_settings(step, rail_beta, self.schedule.rails_engaged(step),
                                                    cfg.rail_fast_beta, cfg.rail_fast_weight)
             return BankStepScalars(momentum=rail_beta, eff_wd=entry.rule.wd_mul * cfg.anvil_weight_decay * lr,
-                                   eff_lr=entry.matrix_lr * lr, fast_beta=fast_beta,
+                                   eff_lr=entry.bank_eff_lr(lr), fast_beta=fast_beta,
                                    fast_weight=fast_weight, slow_beta=cfg.rail_slow_beta,
                                    beta2=cfg.lane_beta2, margin=cfg.frobenius_margin,
                                    eps=cfg.frobenius_eps)
@@ -219,7 +233,7 @@ class OptimizerManager:
         lr = cfg.normuon_lr * lr_mult
         return BankStepScalars(momentum=muon_momentum(step, self.schedule.total_steps),
                                eff_wd=entry.rule.wd_mul * cfg.normuon_weight_decay * lr,
-                               eff_lr=entry.matrix_lr * lr, beta2=cfg.lane_beta2,
+                               eff_lr=entry.bank_eff_lr(lr), beta2=cfg.lane_beta2,
                                margin=cfg.normuon_frobenius_margin, eps=cfg.frobenius_eps)
 
     def adam_hparams(self, entry: Entry, step: int) -> tuple[tuple[float, float], float, float]:

@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 import torch
 
+from config import SCHEDULE_PRESETS
 from optim.anvil import (ANVIL_MAPS, BankState, BankStepScalars, anvil_cascade, anvil_update,
                          master_weight, rail_settings, store_master_weight)
 from optim.normuon import POLAR_EXPRESS_MAPS, normuon_update, polar_express
+from optim.schedule import TrainingSchedule
+from optim.standin import StandInParams
 
 
 def composed_map(sigma, maps):
@@ -247,3 +250,42 @@ def test_cascade_flops_hand_count():
     # mlp chunk (3, 2816, 768) is tall: the small side is 768
     per_map = 2 * 2816 * 768 ** 2 + 2 * 768 ** 3 + 2 * 768 ** 2 * 2816
     assert cascade_flops((3, 2816, 768)) == 3 * 6 * per_map
+
+
+@pytest.mark.parametrize("fast_beta, fast_weight, momentum", [(0.9, 1.0, 0.9), (0.85, 0.4385, 0.93),
+                                                               (0.8733333, 1.0, 0.8733333)])
+def test_rail_scalars_round_as_record_360(fast_beta, fast_weight, momentum):
+    """Record #360 holds β, w and μ as 0-D fp32 tensors and forms 1 − β and 1 − w in fp32; the
+    rails and the lookahead must be bitwise that, not the double 1 − β rounded once (which
+    differs in the last bit, e.g. for β = 0.9)."""
+    from optim.anvil import BankStepScalars, twin_rail_lookahead
+
+    g = torch.randn(3, 8, 5, generator=torch.Generator().manual_seed(0))
+    velocity = torch.randn(2, 3, 8, 5, generator=torch.Generator().manual_seed(1))
+    # the reference, written the way record #360's compiled update reads its scalars
+    beta_t, w_t, mu_t = (torch.tensor(v, dtype=torch.float32) for v in (fast_beta, fast_weight, momentum))
+    fast_ref = velocity[0].clone().lerp_(g, 1 - beta_t)
+    slow_ref = velocity[1].clone().lerp_(g, 1 - 0.98)
+    u_ref = g.clone().lerp_(w_t * fast_ref + (1 - w_t) * slow_ref, mu_t)
+    scalars = BankStepScalars(momentum=momentum, eff_wd=0.0, eff_lr=torch.ones(3, 1, 1), fast_beta=fast_beta,
+                              fast_weight=fast_weight, slow_beta=0.98)
+    u = twin_rail_lookahead(g, velocity, scalars)
+    assert torch.equal(velocity[0], fast_ref) and torch.equal(velocity[1], slow_ref)
+    assert torch.equal(u, u_ref)
+
+
+def test_bank_lr_is_rounded_once_from_double():
+    """eff_lr = fp32(shape multiplier · lr_mul · per-matrix mul · lr) with the product in double
+    (record #360 stages it so), not fp32(m · fp32(shape)) · fp32(lr)."""
+    from optim.manager import OptimizerManager
+
+    model = StandInParams.small()
+    schedule = TrainingSchedule(SCHEDULE_PRESETS["record"])
+    mgr = OptimizerManager(model.named_parameters(), schedule)
+    entry = mgr.entries["mlp_bank"]
+    shape = math.sqrt(48 / 32)  # the stand-in's mlp matrices are 48 x 32
+    for step in (0, 300, 700, 1150):
+        lr = 0.023 * schedule.lr_mult(step)
+        want = torch.tensor([shape * 1.0 * m * lr for m in (1, 2) * 4], dtype=torch.float32)
+        got = mgr.bank_scalars(entry, step).eff_lr.flatten()
+        assert torch.equal(got, want), (step, got, want)
