@@ -45,6 +45,7 @@ from optim.tail_average import TailAverages
 from perf import backend as perf_backend
 from perf.attention_backends import assert_record_backends
 from perf.compile import compile_model, compiled_graphs
+from perf.preflight import cheap_checks, raise_on_fail
 from perf.sync_check import host_side, sync_check
 from records.run_log import format_peak_memory_line, format_step_line, format_val_line, read_source
 from records.run_record import RunRecorder, check_finite
@@ -134,6 +135,8 @@ class Setup:
                                f"--config dev runs on 1, 2, 4 or 8 GPUs, --config smoke on 1 or 2 CPU processes")
         if cfg.requires_fast_path:  # a record run never falls back to a slower path
             assert_record_backends(self.backend)
+            # the node's stack, GPUs, driver, CUDA 13 runtime, data, BPE files, disk, RAM, compiler
+            raise_on_fail(cheap_checks(cfg, data_files=data_files))
 
     def init_process_group(self) -> None:
         if self.world_size > 1:

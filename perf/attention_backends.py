@@ -8,9 +8,9 @@ padded with T) marks their starts. A query sees the keys of its own segment at d
 positions. q/k and v may have different head widths (64/128 on the narrow layers).
 
 `varlen_attention` runs the backend `perf.backend.current().attention` names (SPEEDRUN_ATTENTION):
-  fa3   the record's patched FA3 build from the kernels hub (record #360 §2.7), pinned to a revision
-        and sha256-checked before first use; needs `pip install kernels` and, the first time,
-        network access to the Hugging Face Hub (later runs read the hub cache).
+  fa3   the record's patched FA3 build (record #360 §2.7), pinned to a revision and sha256-checked
+        before first use: from SPEEDRUN_FA3_DIR (a local copy), else via `kernels` from the hub cache
+        or, the first time, the Hugging Face Hub (see the FA3 section for the three sources).
   flex  torch's flex_attention with a block mask built from cu_seqlens and the window (compiled on
         CUDA; on CPU it runs eagerly, forward only, for tests).
   sdpa  the portable path: SDPA with a dense boolean mask. Queries run in chunks, each against the
@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -158,12 +159,31 @@ def flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w
 
 
 # ------------------------------------------------------------------------------------------------
-# FA3: the record's patched build from the kernels hub, pinned and hash-checked
+# FA3: the record's patched build, from a local directory, the kernels cache or the hub; pinned and
+# hash-checked whatever the source
+#
+# Sources, in order (the first that is configured wins; a failure names the fixes):
+#   1. SPEEDRUN_FA3_DIR=DIR   a local copy: the package folder itself (__init__.py and the
+#                             _flash_attn3_cuda_*.so binary) or a folder holding build/<variant>/<package>/
+#                             (a `hf download --local-dir DIR` of the repo, or your own build of it).
+#                             `kernels`' LOCAL_KERNELS=devenpzak/flash-attn3-12864=DIR works the same way.
+#   2. the kernels cache      `get_kernel` reads the Hugging Face hub cache (or $KERNELS_CACHE, the
+#                             `kernels` package's own cache variable) before the network; pre-seed it with
+#                               hf download devenpzak/flash-attn3-12864 --revision <FA3_REVISION>
+#                             (add --cache-dir "$KERNELS_CACHE" when that is set), then run with HF_HUB_OFFLINE=1.
+#   3. the hub                the pinned revision, downloaded by `get_kernel` on first use.
 
 FA3_REPO = "devenpzak/flash-attn3-12864"  # record #360 §2.7: takes (64, 128) and (128, 64) q/k vs v widths
 FA3_REVISION = "64c1e6d1f2780e7931839f41426ddcdb564a7cb9"  # record #360: the pinned commit
 FA3_BINARY_SHA256 = "9beee90dbef9c9c221e677dad9f932108b70c46aa35841fc0862281d5b84c09b"  # record #360
 FA3_BINARY_GLOB = "_flash_attn3_cuda_*.so"  # record #360: the file the hash is taken of
+FA3_TORCH = "2.10.0+cu128"  # record #360: the only torch the pinned build has a variant for
+FA3_DIR_ENV = "SPEEDRUN_FA3_DIR"  # ours: a local FA3 package or build/ tree, used before the hub
+KERNELS_LOCAL_ENV = "LOCAL_KERNELS"  # kernels 0.16.1 (utils.py): repo_id=path:... local overrides; honoured too
+FA3_AUTH_FIXES = (f"log in with `hf auth login` (kernels>=0.16 may get a 401 for this public repo without a "
+                  f"token), or pre-seed the cache (`hf download {FA3_REPO} --revision {FA3_REVISION}`, then "
+                  f"HF_HUB_OFFLINE=1), or download it anywhere (`hf download {FA3_REPO} --revision "
+                  f"{FA3_REVISION} --local-dir DIR`) and set {FA3_DIR_ENV}=DIR")
 
 
 def sha256_of(path: Path) -> str:
@@ -175,7 +195,7 @@ def sha256_of(path: Path) -> str:
 
 
 def verify_fa3_binary(package_dir: Path, expected_sha256: str = FA3_BINARY_SHA256) -> Path:
-    """The one FA3 binary in the downloaded package, after checking its sha256; raises naming what differs."""
+    """The one FA3 binary in the package folder, after checking its sha256; raises naming what differs."""
     binaries = sorted(Path(package_dir).glob(FA3_BINARY_GLOB))
     if len(binaries) != 1:
         found = ", ".join(b.name for b in binaries) or "none"
@@ -185,19 +205,128 @@ def verify_fa3_binary(package_dir: Path, expected_sha256: str = FA3_BINARY_SHA25
     if digest != expected_sha256:
         raise RuntimeError(f"FA3: {binaries[0]} has sha256 {digest}, but the pinned build {FA3_REPO}@{FA3_REVISION} "
                            f"has {expected_sha256}; refusing to run an unverified attention kernel (clear that "
-                           f"entry from the Hugging Face hub cache and download it again)")
+                           f"entry from the Hugging Face hub cache and download it again, or point {FA3_DIR_ENV} "
+                           f"at a copy of the pinned revision)")
     return binaries[0]
+
+
+def fa3_variant(torch_version: str | None = None, cuda_version: str | None = None, machine: str | None = None) -> str:
+    """The kernels-hub build variant this torch loads, e.g. torch210-cxx11-cu128-x86_64-linux (record #360's)."""
+    import platform
+
+    torch_version = torch_version if torch_version is not None else torch.__version__
+    cuda_version = cuda_version if cuda_version is not None else (torch.version.cuda or "")
+    major, minor = torch_version.split("+")[0].split(".")[:2]
+    accel = "cu" + cuda_version.replace(".", "")[:3] if cuda_version else "cpu"
+    return f"torch{major}{minor}-cxx11-{accel}-{machine or platform.machine()}-linux"
+
+
+def _is_package(folder: Path) -> bool:
+    return (folder / "__init__.py").is_file()
+
+
+def fa3_package_dir(root: Path, variant: str | None = None) -> Path:
+    """The FA3 package folder inside SPEEDRUN_FA3_DIR: the folder itself, or build/<variant>/<package>/."""
+    root = Path(root)
+    if _is_package(root):
+        return root
+    build = root / "build" if (root / "build").is_dir() else root
+    variant = variant or fa3_variant()
+    candidates = [build / variant] + [d for d in sorted(build.glob(variant + "*")) if d.is_dir()]
+    for folder in candidates:
+        if _is_package(folder):
+            return folder
+        packages = [d for d in sorted(folder.glob("*")) if d.is_dir() and _is_package(d)] if folder.is_dir() else []
+        if len(packages) == 1:
+            return packages[0]
+    have = ", ".join(d.name for d in sorted(build.glob("*")) if d.is_dir()) if build.is_dir() else "no such folder"
+    raise RuntimeError(f"FA3: {FA3_DIR_ENV}={root} holds no package for build variant {variant} (torch "
+                       f"{torch.__version__}); found: {have or 'nothing'}. It should be the package folder "
+                       f"(__init__.py and {FA3_BINARY_GLOB}) or a folder with build/{variant}/<package>/; the "
+                       f"record's build has a variant for torch {FA3_TORCH} only")
+
+
+def _import_package(package_dir: Path):
+    """Import a package folder under a private name, so its relative imports (._ops, ...) resolve."""
+    import importlib.util
+    import sys
+
+    name = "_speedrun_fa3_" + hashlib.sha256(str(package_dir.resolve()).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, package_dir / "__init__.py",
+                                                  submodule_search_locations=[str(package_dir)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_fa3_from_dir(root: Path, expected_sha256: str | None = None):
+    """The package in a local FA3 folder, imported only after its binary's hash matches the pin."""
+    package_dir = fa3_package_dir(Path(root))
+    verify_fa3_binary(package_dir, expected_sha256 or FA3_BINARY_SHA256)  # before any of its code runs
+    try:
+        package = _import_package(package_dir)
+    except Exception as exc:
+        raise RuntimeError(f"FA3: importing {package_dir} ({FA3_DIR_ENV}) failed ({type(exc).__name__}: {exc}); "
+                           f"the record's build needs torch {FA3_TORCH} (found {torch.__version__}) and "
+                           f"libcudart.so.13 on the loader path (`python -m perf.preflight` checks both)") from exc
+    if not hasattr(package, "flash_attn_interface"):
+        raise RuntimeError(f"FA3: {package_dir / '__init__.py'} ({FA3_DIR_ENV}) has no `flash_attn_interface`; "
+                           f"point {FA3_DIR_ENV} at a download of {FA3_REPO}@{FA3_REVISION}")
+    return package
+
+
+def fa3_local_dir() -> Path | None:
+    """SPEEDRUN_FA3_DIR, else the FA3 entry of `kernels`' own LOCAL_KERNELS=repo=path:... mapping, else None."""
+    if os.environ.get(FA3_DIR_ENV):
+        return Path(os.environ[FA3_DIR_ENV])
+    for entry in os.environ.get(KERNELS_LOCAL_ENV, "").split(":"):
+        repo, _, path = entry.partition("=")
+        if repo == FA3_REPO and path:
+            return Path(path)
+    return None
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status of a huggingface_hub / requests / httpx error, or None."""
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    return status if isinstance(status, int) else None
+
+
+def explain_hub_failure(exc: BaseException, hint: str = "") -> str:
+    """One message for a failed `get_kernel`: which case it is and the fixes for it."""
+    text = f"{type(exc).__name__}: {exc}"
+    head = f"FA3: could not load {FA3_REPO}@{FA3_REVISION} from the kernels hub ({text})."
+    refused = _http_status(exc) in (401, 403) or re.search(r"\b40[13]\b", str(exc)) is not None
+    if refused or type(exc).__name__ in ("GatedRepoError", "RepositoryNotFoundError"):
+        return f"{head} The Hub refused the request: {FA3_AUTH_FIXES}"
+    if "variant" in str(exc).lower():
+        return (f"{head} The pinned build has a variant for torch {FA3_TORCH} only and this is torch "
+                f"{torch.__version__}: pip install -r requirements-h100.txt (torch=={FA3_TORCH} from the cu128 index)")
+    return (f"{head} The first run needs network access to the Hugging Face Hub (HF_HUB_OFFLINE unset), later "
+            f"runs read the hub cache; without the network, {FA3_AUTH_FIXES.split(', or ', 1)[1]}; {hint}")
 
 
 _fa3_interface = None  # set by load_fa3(); a plain global, so a compiled model reads it without tracing the loader
 
 
 def load_fa3():
-    """The verified FA3 `flash_attn_interface` module (downloaded once, then from the hub cache)."""
+    """The verified FA3 `flash_attn_interface` module: from SPEEDRUN_FA3_DIR, else the kernels cache or hub."""
     global _fa3_interface
     if _fa3_interface is not None:
         return _fa3_interface
-    hint = "or choose another backend with SPEEDRUN_ATTENTION=flex (CUDA) or sdpa"
+    local = fa3_local_dir()
+    if local is not None:
+        _fa3_interface = load_fa3_from_dir(local).flash_attn_interface
+        return _fa3_interface
+    hint = f"or set {FA3_DIR_ENV}, or choose another backend with SPEEDRUN_ATTENTION=flex (CUDA) or sdpa"
     try:
         from kernels import get_kernel
     except ImportError as exc:
@@ -207,9 +336,7 @@ def load_fa3():
         # pinned revision and the binary's hash, checked below
         package = get_kernel(FA3_REPO, revision=FA3_REVISION, trust_remote_code=True)
     except Exception as exc:
-        raise RuntimeError(f"FA3: could not load {FA3_REPO}@{FA3_REVISION} from the kernels hub ({type(exc).__name__}: "
-                           f"{exc}). The first run needs network access to the Hugging Face Hub (HF_HUB_OFFLINE "
-                           f"unset), later runs read the hub cache; {hint}") from exc
+        raise RuntimeError(explain_hub_failure(exc, hint)) from exc
     verify_fa3_binary(Path(package.__file__).parent, FA3_BINARY_SHA256)
     _fa3_interface = package.flash_attn_interface
     return _fa3_interface

@@ -126,6 +126,8 @@ def _fake_kernels_package(monkeypatch, tmp_path, binary: bytes | None, fails: Ex
 
     monkeypatch.setitem(sys.modules, "kernels", types.SimpleNamespace(get_kernel=get_kernel))
     monkeypatch.setattr(ab, "_fa3_interface", None)
+    monkeypatch.delenv("SPEEDRUN_FA3_DIR", raising=False)  # the hub path, whatever the caller's shell says
+    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
     return package_dir, requests
 
 
@@ -199,3 +201,98 @@ def test_flex_and_fa3_match_sdpa_on_gpu(paired):
     for fn in backends:
         for got, ref in zip(run(fn), want):
             torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)  # bf16 attention, different orders
+
+
+# ------------------------------------------------------------------------------------------------
+# FA3 from a local directory (SPEEDRUN_FA3_DIR / LOCAL_KERNELS) and the hub's failure messages
+
+FAKE_BINARY = b"a fake FA3 binary"
+
+
+def _fake_fa3_dir(root, binary: bytes = FAKE_BINARY, variant: str | None = None):
+    """A hub-layout package: [build/<variant>/]flash_attn3/{__init__.py, _flash_attn3_cuda_fake.so}.
+    Its __init__ writes a marker, so a test sees whether its code ran."""
+    package = (root / "build" / variant / "flash_attn3") if variant else (root / "flash_attn3")
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f"open({str(root / 'imported')!r}, 'w').close()\n"
+                                         "from ._interface import flash_attn_interface\n")
+    (package / "_interface.py").write_text("flash_attn_interface = object()\n")  # a relative import resolves
+    (package / "_flash_attn3_cuda_fake.so").write_bytes(binary)
+    return package
+
+
+def test_fa3_variant_names_the_hub_build():
+    assert ab.fa3_variant("2.10.0+cu128", "12.8", "x86_64") == "torch210-cxx11-cu128-x86_64-linux"  # record #360's
+    assert ab.fa3_variant("2.13.0+cpu", None, "x86_64") == "torch213-cxx11-cpu-x86_64-linux"
+
+
+@pytest.mark.parametrize("layout", ["package", "build tree"])
+def test_load_fa3_from_a_local_dir(monkeypatch, tmp_path, layout):
+    variant = ab.fa3_variant() if layout == "build tree" else None
+    package = _fake_fa3_dir(tmp_path, variant=variant)
+    monkeypatch.setattr(ab, "_fa3_interface", None)
+    monkeypatch.setitem(sys.modules, "kernels", None)  # a local dir never needs the kernels package
+    monkeypatch.setenv("SPEEDRUN_FA3_DIR", str(package if layout == "package" else tmp_path))
+    monkeypatch.setattr(ab, "FA3_BINARY_SHA256", hashlib.sha256(FAKE_BINARY).hexdigest())
+    interface = ab.load_fa3()
+    assert type(interface) is object and ab._fa3_interface is interface
+    assert (tmp_path / "imported").exists()
+
+
+def test_load_fa3_refuses_a_local_dir_with_the_wrong_hash(monkeypatch, tmp_path):
+    package = _fake_fa3_dir(tmp_path)
+    monkeypatch.setattr(ab, "_fa3_interface", None)
+    monkeypatch.setenv("SPEEDRUN_FA3_DIR", str(package))
+    with pytest.raises(RuntimeError, match="refusing to run an unverified") as err:
+        ab.load_fa3()
+    text = str(err.value)
+    assert str(package / "_flash_attn3_cuda_fake.so") in text  # the file
+    assert ab.FA3_BINARY_SHA256 in text and hashlib.sha256(FAKE_BINARY).hexdigest() in text  # expected, found
+    assert not (tmp_path / "imported").exists() and ab._fa3_interface is None  # its code never ran
+
+
+def test_load_fa3_honours_the_kernels_local_mapping(monkeypatch, tmp_path):
+    package = _fake_fa3_dir(tmp_path)
+    monkeypatch.setattr(ab, "_fa3_interface", None)
+    monkeypatch.delenv("SPEEDRUN_FA3_DIR", raising=False)
+    monkeypatch.setenv("LOCAL_KERNELS", f"someone/other=/nowhere:{ab.FA3_REPO}={package}")
+    monkeypatch.setattr(ab, "FA3_BINARY_SHA256", hashlib.sha256(FAKE_BINARY).hexdigest())
+    assert type(ab.load_fa3()) is object
+
+
+def test_load_fa3_local_dir_without_the_variant_names_the_torch_needed(monkeypatch, tmp_path):
+    _fake_fa3_dir(tmp_path, variant="torch210-cxx11-cu128-x86_64-linux-not-this-one")
+    monkeypatch.setattr(ab, "_fa3_interface", None)
+    monkeypatch.setenv("SPEEDRUN_FA3_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="holds no package for build variant") as err:
+        ab.fa3_package_dir(tmp_path, variant="torch213-cxx11-cpu-x86_64-linux")
+    assert "2.10.0+cu128" in str(err.value) and "torch210-cxx11-cu128-x86_64-linux-not-this-one" in str(err.value)
+
+
+class _HubHTTPError(Exception):
+    """What huggingface_hub raises for an HTTP error: the response carries the status."""
+
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.response = types.SimpleNamespace(status_code=status)
+
+
+def test_load_fa3_on_a_401_names_both_fixes(monkeypatch, tmp_path):
+    monkeypatch.delenv("SPEEDRUN_FA3_DIR", raising=False)
+    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
+    _fake_kernels_package(monkeypatch, tmp_path, b"x", fails=_HubHTTPError("Unauthorized for url", 401))
+    with pytest.raises(RuntimeError, match="refused") as err:
+        ab.load_fa3()
+    text = str(err.value)
+    assert "hf auth login" in text and "SPEEDRUN_FA3_DIR" in text and "HF_HUB_OFFLINE=1" in text
+    assert f"hf download {ab.FA3_REPO} --revision {ab.FA3_REVISION}" in text
+
+
+def test_load_fa3_without_a_build_variant_names_the_torch_needed(monkeypatch, tmp_path):
+    monkeypatch.delenv("SPEEDRUN_FA3_DIR", raising=False)
+    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
+    fails = FileNotFoundError(f"Cannot find a build variant for this system in {ab.FA3_REPO}")
+    _fake_kernels_package(monkeypatch, tmp_path, b"x", fails=fails)
+    with pytest.raises(RuntimeError, match="variant for torch 2.10.0\\+cu128 only") as err:
+        ab.load_fa3()
+    assert torch.__version__ in str(err.value) and "requirements-h100.txt" in str(err.value)
