@@ -200,7 +200,13 @@ class Run:
         self.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size)
                          for r in setup.virtual_ranks]
         self.windows = self.schedule.windows(0)
-        self.initial_state = {k: v.clone() for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
+        # the post-warmup reset's snapshot of the weights, off the device for the whole run: pinned
+        # host memory on CUDA (copied back non-blocking; the clock starts after a synchronize), a
+        # plain host copy otherwise. Tensors only: the YaRN scales (extra state) reset by reset_rotary.
+        pin = setup.device.type == "cuda"
+        self.initial_state = {
+            k: torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pin).copy_(v)
+            for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
         self.model.refresh_fp8()  # the fp8 weight caches, before the first training forward
         self.forward = compile_model(self.model, setup.backend)  # fullgraph; the module itself when not compiling
         self.hash_sizes = ngram_hash_sizes(cfg.model)  # the loader's n-gram hashes match the model's tables
@@ -287,7 +293,7 @@ class Run:
         with torch.no_grad():
             for name, t in self.model.state_dict().items():
                 if name in self.initial_state:  # tensors; the YaRN scales (extra state) reset below
-                    t.copy_(self.initial_state[name])
+                    t.copy_(self.initial_state[name], non_blocking=True)  # host → device, in place
             self.table.rows.zero_()
         self.model.zero_grad(set_to_none=True)
         self.manager.reset()

@@ -135,17 +135,23 @@ class OptimizerManager:
 
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], schedule: TrainingSchedule,
                  cfg: OptimConfig = OptimConfig(), table: dict[str, ParamRule] = RECORD_PARAM_TABLE,
-                 frozen_matrices: dict[str, Iterable[int]] | None = None):
+                 frozen_matrices: dict[str, Iterable[int]] | None = None,
+                 layout: tuple[int, int] | None = None):
         """frozen_matrices: bank name -> matrix indices (of the [matrices, rows, cols] view) that get
         lr 0 and so never move. Without it, a bank's own `frozen_matrices` attribute is used (the
-        record model marks mlp slot 7, layer 7 having no MLP: matrices 14 and 15)."""
+        record model marks mlp slot 7, layer 7 having no MLP: matrices 14 and 15).
+        layout: (rank, world_size) to shard for instead of the process group's, for sizing the
+        states without one (model/summary.py --memory); such a manager must not step."""
         if cfg.bank_optimizer not in ("anvil", "normuon"):
             raise ValueError(f"OptimConfig.bank_optimizer={cfg.bank_optimizer!r}: expected "
                              "'anvil' or 'normuon'")
         self.schedule, self.cfg = schedule, cfg
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.world_size = dist.get_world_size() if self.distributed else 1
-        self.rank = dist.get_rank() if self.distributed else 0
+        if layout is not None:
+            self.rank, self.world_size = layout
+        else:
+            distributed = dist.is_available() and dist.is_initialized()
+            self.world_size = dist.get_world_size() if distributed else 1
+            self.rank = dist.get_rank() if distributed else 0
         self.entries: dict[str, Entry] = {}
         for name, (param, rule) in build_param_table(named_parameters, table).items():
             if frozen_matrices is not None:

@@ -16,6 +16,7 @@ import argparse
 import math
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from records.run_log import parse_log
@@ -70,6 +71,61 @@ def group_runs(runs: list[dict], key: str) -> dict[str, list[dict]]:
     return groups
 
 
+@dataclass
+class GroupStats:
+    """One group's numbers, as the report table and records.certify's statistics.md print them."""
+
+    n: int
+    time_mean_s: float
+    time_std_s: float  # nan with one run
+    loss_mean: float
+    loss_std: float
+    t_margin: float  # (target − mean)/(s/√n): positive when below the target; nan under 2 runs
+    df: int
+    p_below_target: float | None  # one-sided; nan under 2 runs, None without scipy
+
+
+@dataclass
+class Comparison:
+    """A group against the baseline: differences of the means and two-sided Welch p-values."""
+
+    d_time_s: float
+    p_time: float | None
+    d_loss: float
+    p_loss: float | None
+
+
+def group_stats(losses: list[float], times_s: list[float], target: float = TARGET_VAL_LOSS) -> GroupStats:
+    t_margin, df, p = target_test(losses, target)
+    return GroupStats(len(losses), *_mean_std(times_s), *_mean_std(losses), t_margin, df, p)
+
+
+def compare(losses: list[float], times_s: list[float], base_losses: list[float],
+            base_times_s: list[float]) -> Comparison:
+    return Comparison(statistics.fmean(times_s) - statistics.fmean(base_times_s), welch_p(times_s, base_times_s),
+                      statistics.fmean(losses) - statistics.fmean(base_losses), welch_p(losses, base_losses))
+
+
+def format_group_cells(g: GroupStats) -> list[str]:
+    """n, time, loss, t, df, p: the report's formatting (records.certify prints the same cells)."""
+    return [str(g.n), _fmt_pm(g.time_mean_s, g.time_std_s, 3), _fmt_pm(g.loss_mean, g.loss_std, 5),
+            "n/a" if math.isnan(g.t_margin) else f"{g.t_margin:.2f}", str(g.df), _fmt_p(g.p_below_target)]
+
+
+def format_comparison_cells(c: Comparison) -> list[str]:
+    return [f"{c.d_time_s:+.3f}", _fmt_p(c.p_time), f"{c.d_loss:+.5f}", _fmt_p(c.p_loss)]
+
+
+def is_finished(run: dict) -> bool:
+    """A run the statistics use: status finished, with a numeric val loss and train time."""
+    return (run.get("status") == "finished" and isinstance(run.get("val_loss"), (int, float))
+            and isinstance(run.get("train_time_ms"), (int, float)))
+
+
+def _losses_times(runs: list[dict]) -> tuple[list[float], list[float]]:
+    return [r["val_loss"] for r in runs], [r["train_time_ms"] / 1000 for r in runs]
+
+
 def summary_table(groups: dict[str, list[dict]], key: str, baseline: str | None) -> str:
     base = groups.get(baseline) if baseline is not None else None
     header = [key, "n", "train time (s)", "val loss", f"t (below {TARGET_VAL_LOSS})", "df",
@@ -78,20 +134,12 @@ def summary_table(groups: dict[str, list[dict]], key: str, baseline: str | None)
         header += ["Δ time (s)", "p time (Welch)", "Δ loss", "p loss (Welch)"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, runs in groups.items():
-        times = [r["train_time_ms"] / 1000 for r in runs]
-        losses = [r["val_loss"] for r in runs]
-        t_margin, df, p = target_test(losses)
-        cells = [f"{name} (baseline)" if name == baseline else name, str(len(runs)), _fmt_pm(*_mean_std(times), 3), _fmt_pm(*_mean_std(losses), 5),
-                 "n/a" if math.isnan(t_margin) else f"{t_margin:.2f}", str(df), _fmt_p(p)]
+        losses, times = _losses_times(runs)
+        cells = [f"{name} (baseline)" if name == baseline else name] + format_group_cells(group_stats(losses, times))
         if base is not None and name == baseline:  # compared with itself: nothing to say
             cells += ["-"] * 4
         elif base is not None:
-            base_times = [r["train_time_ms"] / 1000 for r in base]
-            base_losses = [r["val_loss"] for r in base]
-            cells += [f"{statistics.fmean(times) - statistics.fmean(base_times):+.3f}",
-                      _fmt_p(welch_p(times, base_times)),
-                      f"{statistics.fmean(losses) - statistics.fmean(base_losses):+.5f}",
-                      _fmt_p(welch_p(losses, base_losses))]
+            cells += format_comparison_cells(compare(losses, times, *_losses_times(base)))
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -156,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, problems = read_runs(args.runs)
     for lineno, why in problems:
         print(f"warning: {args.runs}:{lineno}: skipped malformed line: {why}", file=sys.stderr)
-    finished = [r for r in runs if r.get("status") == "finished"
-                and isinstance(r.get("val_loss"), (int, float)) and isinstance(r.get("train_time_ms"), (int, float))]
+    finished = [r for r in runs if is_finished(r)]
     if len(finished) < len(runs):
         print(f"note: {len(runs) - len(finished)} run(s) not finished (failed, interrupted or without "
               f"val loss) are left out", file=sys.stderr)

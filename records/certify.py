@@ -1,0 +1,823 @@
+"""Certify a change: interleaved baseline and candidate runs on one machine, every run counted.
+
+    python -m records.certify --baseline REV --candidate REV --runs N [--nproc P] [--name NAME]
+        [--out DIR] [--resume] [--dry-run] -- TRAIN_GPT_ARGS...
+
+Upstream's bar for a record is many independent runs whose mean val loss is below 3.28 at p < 0.01,
+and a time comparison against the baseline on the same machine. Done by hand it goes wrong in known
+ways: same-seed repeats passed off as independent runs, the baseline timed on another node, failed
+runs quietly left out. This runs the experiment the way upstream PR #366 did (12 + 12 runs,
+interleaved on one node):
+
+  * one detached `git worktree` per revision, in a temporary folder outside the checkout (removed
+    at the end, also after an error or Ctrl-C); both read the same shards (`--data-path` made
+    absolute against the current folder; a certification without --data-path or DATA_PATH is
+    refused, since the preset's default folder is git-ignored and so absent from a worktree);
+  * runs interleaved baseline, candidate, baseline, ... (N of each), each
+    `python -m torch.distributed.run --standalone --nproc_per_node=P train_gpt.py TRAIN_GPT_ARGS
+    --label baseline|candidate --records-dir DIR` inside its revision's worktree, so every run
+    lands in DIR/runs.jsonl and DIR/logs/;
+  * unseeded: `--seed` in TRAIN_GPT_ARGS (or TRAIN_SEED in the environment) is refused, because
+    runs from one seed repeat one initialization and are not independent samples;
+  * every run is kept: a failed run is counted as failed; a run that dies before writing its log
+    keeps its console output as its log (DIR/logs/certify-NN-LABEL.txt); each run's console
+    output is also kept under DIR/console/;
+  * the ledger DIR/certify.json (written atomically) holds the plan (revisions resolved to
+    commits, the order, the arguments) and each run's outcome. Ctrl-C stops after recording the
+    run it interrupted; `--resume` reruns that run (the interrupted attempt stays listed in the
+    write-up, with its log) and continues, and refuses a plan that differs from the ledger's.
+
+At the end it writes DIR/statistics.md (revisions, machine, run order, per-group statistics from
+records.report, the verdict against upstream's bar), DIR/runs.tsv (which log is which run),
+DIR/statistics.py (recomputes statistics.md's run table, statistics and verdict from the logs and
+runs.tsv alone: standard library, scipy for the p-values) and DIR/README.md (the skeleton of an
+upstream write-up with the commands to reproduce). `--dry-run` prints every run's command and
+folder and runs nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from records import report
+from records.run_log import parse_log
+
+LABELS = ("baseline", "candidate")
+P_LOSS_BAR = 0.01  # upstream: mean val loss below 3.28 at p < 0.01 (one-sided t-test)
+P_TIME_BAR = 0.05  # faster than the baseline: mean time lower, two-sided Welch p < 0.05
+LEDGER_NAME = "certify.json"
+ORDER_NAME = "runs.tsv"
+LEDGER_VERSION = 1
+TSV_COLUMNS = ("index", "label", "commit", "status", "run_id", "log")
+README_PLACEHOLDER = "**The change.** (describe it; link the upstream PR)"
+
+
+class CertifyError(Exception):
+    """A certification that cannot start or continue; the message says which flag or file and why."""
+
+
+# ------------------------------------------------------------------------------------------------
+# git
+# ------------------------------------------------------------------------------------------------
+
+
+def git(args: list[str], cwd: Path) -> str:
+    res = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise CertifyError(f"git {' '.join(args)} (in {cwd}) failed: {res.stderr.strip()}")
+    return res.stdout.strip()
+
+
+def resolve_revision(repo: Path, rev: str, flag: str) -> dict:
+    try:
+        commit = git(["rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], repo)
+    except CertifyError:
+        commit = ""
+    if not commit:
+        raise CertifyError(f"{flag} {rev!r} is not a commit of the repository at {repo} (expected a branch, "
+                           f"tag, commit hash or HEAD~k)")
+    return {"rev": rev, "commit": commit, "subject": git(["log", "-1", "--format=%s", commit], repo)}
+
+
+# ------------------------------------------------------------------------------------------------
+# the launcher (module-level so tests can replace it)
+# ------------------------------------------------------------------------------------------------
+
+
+def launcher_command(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def run_process(cmd: list[str], cwd: Path, env: dict, out_path: Path) -> int:
+    """Run `cmd` in `cwd`, stdout and stderr into `out_path`; its exit code. Ctrl-C waits for it to end."""
+    with open(out_path, "wb") as out:
+        # its own process group: a Ctrl-C reaches certify only, which passes it on exactly once (a second
+        # SIGINT would cut torchrun's shutdown short, before the run writes its runs.jsonl line)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            try:
+                os.killpg(proc.pid, signal.SIGINT)  # torchrun and its ranks, as a terminal's Ctrl-C would
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=60)  # let torchrun stop its ranks and the run write its line
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+
+
+# ------------------------------------------------------------------------------------------------
+# the plan
+# ------------------------------------------------------------------------------------------------
+
+
+def check_train_args(train_args: list[str], cwd: Path, env: dict) -> list[str]:
+    """TRAIN_GPT_ARGS with --data-path made absolute; refuses what certify sets or forbids."""
+    out, i, data_path = [], 0, None
+    while i < len(train_args):
+        arg = train_args[i]
+        name = arg.split("=", 1)[0]
+        if name in ("--label", "--records-dir"):
+            raise CertifyError(f"TRAIN_GPT_ARGS must not hold {name}: certify sets it for every run "
+                               f"(--label baseline|candidate, --records-dir --out DIR)")
+        if name == "--seed":
+            raise CertifyError("TRAIN_GPT_ARGS must not hold --seed: runs from one seed repeat one initialization, "
+                               "so they are not independent runs and their p-values mean nothing; certify runs "
+                               "unseeded, as upstream's record runs are")
+        if name == "--data-path":
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            elif i + 1 < len(train_args):
+                i += 1
+                value = train_args[i]
+            else:
+                raise CertifyError("--data-path in TRAIN_GPT_ARGS needs a folder")
+            data_path = str((cwd / value).resolve()) if not Path(value).is_absolute() else value
+            out += ["--data-path", data_path]
+        else:
+            out.append(arg)
+        i += 1
+    if env.get("TRAIN_SEED"):
+        raise CertifyError("TRAIN_SEED is set in the environment: every run would repeat one seed, so the runs "
+                           "would not be independent; unset it (certify runs unseeded)")
+    if data_path is None:
+        if not env.get("DATA_PATH"):
+            raise CertifyError("pass --data-path DIR after `--` (or set DATA_PATH): the presets' default shard "
+                               "folders are git-ignored, so a fresh worktree of a revision has none, and both "
+                               "revisions must read the same shards")
+        out += ["--data-path", str((cwd / env["DATA_PATH"]).resolve())]
+    if not Path(out[out.index("--data-path") + 1]).is_dir():
+        raise CertifyError(f"--data-path {out[out.index('--data-path') + 1]} is not a folder (expected the "
+                           f"folder holding the train and val shards)")
+    return out
+
+
+def make_plan(repo: Path, baseline: str, candidate: str, runs: int, nproc: int, name: str,
+              train_args: list[str]) -> dict:
+    revs = {"baseline": resolve_revision(repo, baseline, "--baseline"),
+            "candidate": resolve_revision(repo, candidate, "--candidate")}
+    if revs["baseline"]["commit"] == revs["candidate"]["commit"]:
+        raise CertifyError(f"--baseline {baseline!r} and --candidate {candidate!r} are the same commit "
+                           f"{revs['baseline']['commit']}: nothing to compare")
+    return {"name": name, "repo": str(repo), "runs_per_group": runs, "nproc": nproc, "train_args": train_args,
+            **revs, "order": [LABELS[i % 2] for i in range(2 * runs)]}
+
+
+def train_command(plan: dict, label: str, out_dir: Path) -> list[str]:
+    return [*launcher_command(plan["nproc"]), "train_gpt.py", *plan["train_args"], "--label", label,
+            "--records-dir", str(out_dir)]
+
+
+# ------------------------------------------------------------------------------------------------
+# the ledger
+# ------------------------------------------------------------------------------------------------
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def save_ledger(out_dir: Path, ledger: dict) -> None:
+    atomic_write(out_dir / LEDGER_NAME, json.dumps(ledger, indent=1) + "\n")
+
+
+def load_ledger(out_dir: Path) -> dict:
+    path = out_dir / LEDGER_NAME
+    try:
+        ledger = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CertifyError(f"--resume: cannot read the ledger {path}: {e}") from e
+    if ledger.get("version") != LEDGER_VERSION:
+        raise CertifyError(f"--resume: {path} has version {ledger.get('version')!r}, expected {LEDGER_VERSION}")
+    return ledger
+
+
+def plan_differences(old: dict, new: dict) -> list[str]:
+    keys = [k for k in sorted(set(old) | set(new)) if k != "repo"]
+    return [f"{k}: ledger {old.get(k)!r}, now {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+# ------------------------------------------------------------------------------------------------
+# one run
+# ------------------------------------------------------------------------------------------------
+
+
+def _new_jsonl_records(path: Path, offset: int) -> list[dict]:
+    if not path.is_file():
+        return []
+    with open(path, "rb") as f:
+        f.seek(offset)
+        tail = f.read().decode("utf-8", errors="replace")
+    records = []
+    for line in tail.splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict):
+            records.append(entry)
+    return records
+
+
+def _unused(path: Path) -> Path:
+    """`path`, or `STEM-2.txt`, `STEM-3.txt`, ... when taken (a rerun of an interrupted run)."""
+    candidate, k = path, 1
+    while candidate.exists():
+        k += 1
+        candidate = path.with_name(f"{path.stem}-{k}{path.suffix}")
+    return candidate
+
+
+def _relative(path: Path, folder: Path) -> str:
+    try:
+        return path.resolve().relative_to(folder.resolve()).as_posix()
+    except ValueError:  # a log outside the folder (should not happen): keep where it is
+        return str(path)
+
+
+def run_one(index: int, plan: dict, out_dir: Path, worktree: Path, env: dict) -> tuple[dict, bool]:
+    """(the run's ledger entry, whether Ctrl-C interrupted it)."""
+    label = plan["order"][index]
+    cmd = train_command(plan, label, out_dir)
+    runs_path, logs_dir = out_dir / "runs.jsonl", out_dir / "logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "console").mkdir(exist_ok=True)
+    console = _unused(out_dir / "console" / f"{index + 1:02d}-{label}.txt")  # a rerun keeps the attempt's
+    offset = runs_path.stat().st_size if runs_path.is_file() else 0
+    logs_before = set(logs_dir.glob("*.txt"))
+    started = _dt.datetime.now(_dt.timezone.utc)
+    interrupted, rc = False, None
+    try:
+        rc = run_process(cmd, worktree, env, console)
+    except KeyboardInterrupt:
+        interrupted = True
+    seconds = (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds()
+
+    new = _new_jsonl_records(runs_path, offset)
+    rec = new[-1] if new else None
+    log = None
+    if rec and rec.get("log_path") and Path(rec["log_path"]).is_file():
+        log = Path(rec["log_path"])
+    else:
+        new_logs = sorted(set(logs_dir.glob("*.txt")) - logs_before)
+        log = new_logs[0] if new_logs else None
+    run_id = rec.get("run_id") if rec else (log.stem if log else None)
+    if log is None:  # died before writing its log: its console output is its log
+        log = _unused(logs_dir / f"certify-{index + 1:02d}-{label}.txt")
+        text = console.read_text(encoding="utf-8", errors="replace") if console.is_file() else ""
+        atomic_write(log, f"# console output of run {index + 1} ({label}, commit {plan[label]['commit']}), "
+                          f"exit code {rc}: the run died before writing its run log\n{text}")
+    vals = parse_log(log.read_text(encoding="utf-8", errors="replace")).vals
+    if interrupted:
+        status, error = "interrupted", "interrupted by the operator (Ctrl-C)"
+    elif rec and rec.get("status") == "finished" and rc == 0 and vals:
+        status, error = "finished", None
+    else:
+        status = "failed"
+        why = [f"exit code {rc}"] if rc else []
+        if rec is None:
+            why.append("no runs.jsonl line")
+        elif rec.get("error"):
+            why.append(str(rec["error"]))
+        if not vals and rec is not None and rec.get("status") == "finished":
+            why.append("no val_loss line in its log")
+        error = "; ".join(why) or "failed"
+    entry = {"index": index, "label": label, "commit": plan[label]["commit"], "status": status,
+             "run_id": run_id, "log": _relative(log, out_dir), "console": _relative(console, out_dir), "returncode": rc,
+             "started": started.isoformat(timespec="seconds"), "seconds": round(seconds, 1), "error": error,
+             "device": rec.get("device") if rec else None,
+             # the result as the log prints it (val loss to 4 decimals, whole ms): what statistics.py reads
+             "val_loss": vals[-1][2] if status == "finished" else None,
+             "train_time_ms": vals[-1][3] if status == "finished" else None}
+    return entry, interrupted
+
+
+# ------------------------------------------------------------------------------------------------
+# the write-up
+# ------------------------------------------------------------------------------------------------
+
+
+def slot_rows(ledger: dict) -> list[dict]:
+    """One row per planned run in order: its outcome, or status `pending`."""
+    by_index = {r["index"]: r for r in ledger["runs"]}
+    plan = ledger["plan"]
+    return [by_index.get(i, {"index": i, "label": label, "commit": plan[label]["commit"], "status": "pending",
+                             "run_id": None, "log": None, "val_loss": None, "train_time_ms": None})
+            for i, label in enumerate(plan["order"])]
+
+
+def write_order_tsv(out_dir: Path, ledger: dict) -> None:
+    """runs.tsv: which log is which run (planned runs in order, then interrupted attempts)."""
+    lines = ["\t".join(TSV_COLUMNS)]
+    for r in slot_rows(ledger) + ledger["interrupted_attempts"]:
+        lines.append("\t".join([str(r["index"] + 1), r["label"], r["commit"], r["status"],
+                                r.get("run_id") or "-", r.get("log") or "-"]))
+    atomic_write(out_dir / ORDER_NAME, "\n".join(lines) + "\n")
+
+
+def _dash(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def render_results(rows: list[dict], attempts: list[dict], runs_per_group: int) -> str:
+    """The run table, statistics and verdict; statistics.py prints the same text from the logs."""
+    out = ["## Runs, in the order they ran", "",
+           "| # | label | run id | val loss | train time (ms) | status |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['index'] + 1} | {r['label']} | {r.get('run_id') or '-'} | {_dash(r['val_loss'], '.4f')} "
+                   f"| {_dash(r['train_time_ms'], '.0f')} | {r['status']} |")
+    if attempts:
+        out += ["", "Interrupted by the operator (Ctrl-C) and rerun; kept, not used in the statistics:", ""]
+        out += [f"- run {a['index'] + 1} ({a['label']}): {a.get('log') or 'no log'}" for a in attempts]
+    out += ["", "## Statistics", "",
+            f"Val loss and train time as the logs print them (4 decimals, whole ms); mean ± sample std over each "
+            f"group's finished runs; t = ({report.TARGET_VAL_LOSS} − mean)/(s/√n), p one-sided "
+            f"(mean below {report.TARGET_VAL_LOSS}).", "",
+            f"| group | planned | finished | failed | n | train time (s) | val loss | t (below "
+            f"{report.TARGET_VAL_LOSS}) | df | p(loss < {report.TARGET_VAL_LOSS}) |", "|---" * 10 + "|"]
+    stats, data = {}, {}
+    for label in LABELS:
+        mine = [r for r in rows if r["label"] == label]
+        fin = [r for r in mine if r["status"] == "finished"]
+        losses, times = [r["val_loss"] for r in fin], [r["train_time_ms"] / 1000 for r in fin]
+        data[label] = (losses, times)
+        stats[label] = report.group_stats(losses, times) if fin else None
+        cells = report.format_group_cells(stats[label]) if fin else ["0", "-", "-", "-", "-", "-"]
+        failed = sum(r["status"] in ("failed", "interrupted") for r in mine)
+        out.append(f"| {label} | {len(mine)} | {len(fin)} | {failed} | " + " | ".join(cells) + " |")
+    comparison = None
+    if stats["baseline"] and stats["candidate"]:
+        comparison = report.compare(*data["candidate"], *data["baseline"])
+        out += ["", "| comparison | Δ time (s) | p time (Welch) | Δ loss | p loss (Welch) |", "|---|---|---|---|---|",
+                "| candidate − baseline | " + " | ".join(report.format_comparison_cells(comparison)) + " |"]
+    out += ["", "## Verdict", "",
+            f"The bar (upstream's rules): every run counted ({runs_per_group} per revision, all finished: none "
+            f"failed, none left out); the candidate's mean val loss below {report.TARGET_VAL_LOSS} with one-sided "
+            f"p < {P_LOSS_BAR}; the candidate faster than the baseline, timed on the same machine, interleaved: "
+            f"lower mean train time with two-sided Welch p < {P_TIME_BAR}.", "",
+            verdict(rows, stats["candidate"], comparison)]
+    return "\n".join(out) + "\n"
+
+
+def verdict(rows: list[dict], cand: report.GroupStats | None, comparison: report.Comparison | None) -> str:
+    pending = [r for r in rows if r["status"] == "pending"]
+    if pending:
+        return f"**INCOMPLETE**: {len(pending)} of {len(rows)} runs have not run (continue with --resume)."
+    bad = [f"run {r['index'] + 1} ({r['label']}) {r['status']}" for r in rows if r["status"] != "finished"]
+    if cand is None or comparison is None:
+        return "**FAIL**: " + "; ".join(bad + ["a revision has no finished run"]) + "."
+    if cand.p_below_target is None or comparison.p_time is None:
+        return "**UNDECIDED**: scipy is not installed, so there are no p-values (pip install scipy)."
+    reasons = list(bad)
+    if not (cand.loss_mean < report.TARGET_VAL_LOSS and cand.p_below_target < P_LOSS_BAR):
+        reasons.append(f"candidate val loss {cand.loss_mean:.5f}, p = {report._fmt_p(cand.p_below_target)} "
+                       f"(needs mean < {report.TARGET_VAL_LOSS} at p < {P_LOSS_BAR})")
+    if not (comparison.d_time_s < 0 and comparison.p_time < P_TIME_BAR):
+        reasons.append(f"candidate time {comparison.d_time_s:+.3f} s vs baseline, Welch p = "
+                       f"{report._fmt_p(comparison.p_time)} (needs faster at p < {P_TIME_BAR})")
+    if reasons:
+        return "**FAIL**: " + "; ".join(reasons) + "."
+    return (f"**PASS**: every run finished; candidate val loss {cand.loss_mean:.5f} < {report.TARGET_VAL_LOSS} "
+            f"(p = {report._fmt_p(cand.p_below_target)}); {-comparison.d_time_s:.3f} s faster than the baseline "
+            f"(Welch p = {report._fmt_p(comparison.p_time)}).")
+
+
+_MACHINE_PREFIXES = ("Running Python", "Running PyTorch", "Running Triton", "Devices:")
+
+
+def machine_lines(out_dir: Path, rows: list[dict]) -> list[str]:
+    """The environment header lines of the runs' logs (and the nvidia-smi driver line), deduplicated."""
+    seen: dict[str, int] = {}
+    for r in rows:
+        if not r.get("log"):
+            continue
+        path = out_dir / r["log"]
+        if not path.is_file():
+            continue
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            line = line.strip()
+            if line.startswith(_MACHINE_PREFIXES) or "Driver Version" in line:
+                seen[line] = seen.get(line, 0) + 1
+    devices = sorted({r["device"] for r in rows if r.get("device")})
+    out = [f"- {line} ({n} log{'s' if n > 1 else ''})" for line, n in seen.items()]
+    out += [f"- runs.jsonl device: {d}" for d in devices]
+    return out or ["- (no run log holds an environment header)"]
+
+
+def write_outputs(out_dir: Path, ledger: dict) -> str:
+    plan = ledger["plan"]
+    rows = slot_rows(ledger)
+    write_order_tsv(out_dir, ledger)
+    results = render_results(rows, ledger["interrupted_attempts"], plan["runs_per_group"])
+    head = [f"# Certification: {plan['name']}", ""]
+    for label in LABELS:
+        head.append(f"- {label}: `{plan[label]['commit']}` {plan[label]['subject']} (`{plan[label]['rev']}`)")
+    head += [f"- {plan['runs_per_group']} runs per revision, interleaved, `--nproc_per_node={plan['nproc']}`; "
+             f"train_gpt.py arguments: `{shlex.join(plan['train_args'])}`", "", "## Machine", "",
+             *machine_lines(out_dir, rows), ""]
+    failures = [r for r in ledger["runs"] + ledger["interrupted_attempts"] if r["status"] != "finished"]
+    if failures:
+        head += ["## Runs that did not finish (counted, never dropped)", ""]
+        head += [f"- run {r['index'] + 1} ({r['label']}) {r['status']}: {' '.join(str(r['error']).split())} "
+                 f"(log `{r['log']}`, console `{r['console']}`)" for r in sorted(failures, key=lambda r: (r["index"], r["started"]))]
+        head.append("")
+    head += ["Recompute the run table, the statistics and the verdict from the logs alone: "
+             "`python statistics.py` in this folder.", ""]
+    text = "\n".join(head) + "\n" + results
+    atomic_write(out_dir / "statistics.md", text)
+    atomic_write(out_dir / "statistics.py", STATISTICS_PY)
+    readme = out_dir / "README.md"  # rewritten until someone fills in the change
+    if not readme.exists() or README_PLACEHOLDER in readme.read_text(encoding="utf-8", errors="replace"):
+        atomic_write(out_dir / "README.md", readme_text(plan, out_dir, results))
+    return text
+
+
+def readme_text(plan: dict, out_dir: Path, results: str) -> str:
+    verdict_line = results.rstrip().splitlines()[-1]
+    args = shlex.join(plan["train_args"])
+    return f"""# {plan['name']}
+
+<!-- Upstream record write-up skeleton (records/track_1_short/<date>_<name>/): say what changed and why. -->
+
+{README_PLACEHOLDER}
+
+- candidate: `{plan['candidate']['commit']}` {plan['candidate']['subject']}
+- baseline: `{plan['baseline']['commit']}` {plan['baseline']['subject']}
+
+## Result
+
+{verdict_line}
+
+{plan['runs_per_group']} runs of each revision, interleaved on one machine, unseeded; every run counted.
+Run table, per-group statistics and machine: [statistics.md](statistics.md).
+
+## Reproduce
+
+```bash
+git clone <this repository> && cd <it>
+# the shards both revisions read (the same folder for both):
+#   {plan['train_args'][plan['train_args'].index('--data-path') + 1]}
+python -m records.certify --baseline {plan['baseline']['commit']} --candidate {plan['candidate']['commit']} \\
+    --runs {plan['runs_per_group']} --nproc {plan['nproc']} --name {shlex.quote(plan['name'])} --out OUT_DIR -- {args}
+```
+
+Each run was, inside a worktree of its revision:
+
+```bash
+{shlex.join(train_command(plan, 'baseline|candidate', out_dir))}
+```
+
+Recompute every number from the logs alone (standard library; scipy for the p-values):
+
+```bash
+python statistics.py
+```
+
+## Files
+
+- `logs/*.txt`: every run's log (a run that died before writing one: its console output, `logs/certify-NN-LABEL.txt`)
+- `runs.tsv`: which log is which run, in the order they ran
+- `statistics.md`, `statistics.py`: the statistics and the script that recomputes them
+- `runs.jsonl`, `certify.json`, `console/`: the runs' records, the certification's ledger, each run's console output
+"""
+
+
+# ------------------------------------------------------------------------------------------------
+# statistics.py: a standalone copy of the statistics, written next to the logs
+# ------------------------------------------------------------------------------------------------
+
+STATISTICS_PY = r'''"""Recompute statistics.md's run table, statistics and verdict from the logs alone.
+
+    python statistics.py        # in the certification folder; prints those sections of statistics.md
+
+runs.tsv says which log is which run (index, label, commit, status, run id, log); each run's result
+is its log's last upstream validation line, `step:{s}/{N} val_loss:{:.4f} train_time:{ms}ms
+step_avg:{:.2f}ms`. Checks that each log's `git commit:` line is the revision runs.tsv names, and
+that a finished run has a validation line. Standard library only; scipy (if installed) for p-values.
+"""
+import sys
+from pathlib import Path
+
+# this file is named statistics.py: keep its folder off the path so `import statistics` is the stdlib's
+_HERE = Path(__file__).resolve().parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import csv  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+
+TARGET = __TARGET__
+P_LOSS_BAR = __P_LOSS__
+P_TIME_BAR = __P_TIME__
+LABELS = ("baseline", "candidate")
+VAL_RE = re.compile(r"^step:(\d+)/(\d+) val_loss:([0-9.naif+-]+) train_time:(\d+)ms step_avg:([0-9.]+)ms$")
+COMMIT_RE = re.compile(r"^git commit: (\S+)")
+
+try:
+    from scipy import stats as _stats
+except ImportError:
+    _stats = None
+
+
+def mean_std(v):
+    return statistics.fmean(v), (statistics.stdev(v) if len(v) > 1 else math.nan)
+
+
+def fmt_pm(mean, std, digits):
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if not math.isnan(std) else f"{mean:.{digits}f}"
+
+
+def fmt_p(p):
+    if p is None:
+        return "needs scipy"
+    return "n/a" if math.isnan(p) else f"{p:.2e}"
+
+
+def target_test(losses):
+    n = len(losses)
+    if n < 2:
+        return math.nan, 0, math.nan
+    mean, std = mean_std(losses)
+    t = (TARGET - mean) / (std / math.sqrt(n)) if std > 0 else math.inf
+    if _stats is None:
+        return t, n - 1, None
+    return t, n - 1, float(_stats.ttest_1samp(losses, TARGET, alternative="less").pvalue)
+
+
+def welch_p(a, b):
+    if len(a) < 2 or len(b) < 2:
+        return math.nan
+    if _stats is None:
+        return None
+    return float(_stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def read_rows(folder):
+    rows, attempts, problems = [], [], []
+    with open(folder / "runs.tsv", encoding="utf-8", newline="") as f:
+        for r in csv.DictReader(f, delimiter="\t"):
+            row = {"index": int(r["index"]), "label": r["label"], "status": r["status"],
+                   "run_id": None if r["run_id"] == "-" else r["run_id"], "log": None if r["log"] == "-" else r["log"],
+                   "val_loss": None, "train_time_ms": None}
+            if row["log"]:
+                lines = (folder / row["log"]).read_text(encoding="utf-8", errors="replace").splitlines()
+                vals = [m for m in map(VAL_RE.match, lines) if m]
+                commits = [m[1] for m in map(COMMIT_RE.match, lines) if m]
+                if commits and commits[0] != r["commit"]:
+                    problems.append(f"run {row['index']}: log {row['log']} is from commit {commits[0]}, "
+                                    f"runs.tsv says {r['commit']}")
+                if row["status"] == "finished":
+                    if vals:
+                        row["val_loss"], row["train_time_ms"] = float(vals[-1][3]), int(vals[-1][4])
+                    else:
+                        problems.append(f"run {row['index']}: runs.tsv says finished, but {row['log']} has no "
+                                        f"val_loss line: counted as failed")
+                        row["status"] = "failed"
+            (attempts if row["status"] == "interrupted" and _is_attempt(rows, row) else rows).append(row)
+    return rows, attempts, problems
+
+
+def _is_attempt(rows, row):  # an interrupted run that was rerun: its index is already in the table
+    return any(r["index"] == row["index"] for r in rows)
+
+
+def dash(x, fmt):
+    return "-" if x is None else format(x, fmt)
+
+
+def main():
+    folder = _HERE
+    rows, attempts, problems = read_rows(folder)
+    per_group = sum(r["label"] == LABELS[0] for r in rows)
+    out = ["## Runs, in the order they ran", "",
+           "| # | label | run id | val loss | train time (ms) | status |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['index']} | {r['label']} | {r['run_id'] or '-'} | {dash(r['val_loss'], '.4f')} "
+                   f"| {dash(r['train_time_ms'], '.0f')} | {r['status']} |")
+    if attempts:
+        out += ["", "Interrupted by the operator (Ctrl-C) and rerun; kept, not used in the statistics:", ""]
+        out += [f"- run {a['index']} ({a['label']}): {a['log'] or 'no log'}" for a in attempts]
+    out += ["", "## Statistics", "",
+            f"Val loss and train time as the logs print them (4 decimals, whole ms); mean ± sample std over each "
+            f"group's finished runs; t = ({TARGET} − mean)/(s/√n), p one-sided (mean below {TARGET}).", "",
+            f"| group | planned | finished | failed | n | train time (s) | val loss | t (below {TARGET}) | df "
+            f"| p(loss < {TARGET}) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    data, tests = {}, {}
+    for label in LABELS:
+        mine = [r for r in rows if r["label"] == label]
+        fin = [r for r in mine if r["status"] == "finished"]
+        losses, times = [r["val_loss"] for r in fin], [r["train_time_ms"] / 1000 for r in fin]
+        data[label] = (losses, times)
+        failed = sum(r["status"] in ("failed", "interrupted") for r in mine)
+        if fin:
+            t, df, p = target_test(losses)
+            tests[label] = (statistics.fmean(losses), p)
+            cells = [str(len(fin)), fmt_pm(*mean_std(times), 3), fmt_pm(*mean_std(losses), 5),
+                     "n/a" if math.isnan(t) else f"{t:.2f}", str(df), fmt_p(p)]
+        else:
+            cells = ["0", "-", "-", "-", "-", "-"]
+        out.append(f"| {label} | {len(mine)} | {len(fin)} | {failed} | " + " | ".join(cells) + " |")
+    cmp = None
+    if data["baseline"][0] and data["candidate"][0]:
+        (cl, ct), (bl, bt) = data["candidate"], data["baseline"]
+        cmp = (statistics.fmean(ct) - statistics.fmean(bt), welch_p(ct, bt),
+               statistics.fmean(cl) - statistics.fmean(bl), welch_p(cl, bl))
+        out += ["", "| comparison | Δ time (s) | p time (Welch) | Δ loss | p loss (Welch) |", "|---|---|---|---|---|",
+                f"| candidate − baseline | {cmp[0]:+.3f} | {fmt_p(cmp[1])} | {cmp[2]:+.5f} | {fmt_p(cmp[3])} |"]
+    out += ["", "## Verdict", "",
+            f"The bar (upstream's rules): every run counted ({per_group} per revision, all finished: none "
+            f"failed, none left out); the candidate's mean val loss below {TARGET} with one-sided "
+            f"p < {P_LOSS_BAR}; the candidate faster than the baseline, timed on the same machine, interleaved: "
+            f"lower mean train time with two-sided Welch p < {P_TIME_BAR}.", "",
+            verdict(rows, tests.get("candidate"), cmp)]
+    print("\n".join(out))
+    for p in problems:
+        print(f"warning: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def verdict(rows, cand, cmp):
+    pending = [r for r in rows if r["status"] == "pending"]
+    if pending:
+        return f"**INCOMPLETE**: {len(pending)} of {len(rows)} runs have not run (continue with --resume)."
+    bad = [f"run {r['index']} ({r['label']}) {r['status']}" for r in rows if r["status"] != "finished"]
+    if cand is None or cmp is None:
+        return "**FAIL**: " + "; ".join(bad + ["a revision has no finished run"]) + "."
+    (loss_mean, p_loss), (d_time, p_time) = cand, cmp[:2]
+    if p_loss is None or p_time is None:
+        return "**UNDECIDED**: scipy is not installed, so there are no p-values (pip install scipy)."
+    reasons = list(bad)
+    if not (loss_mean < TARGET and p_loss < P_LOSS_BAR):
+        reasons.append(f"candidate val loss {loss_mean:.5f}, p = {fmt_p(p_loss)} "
+                       f"(needs mean < {TARGET} at p < {P_LOSS_BAR})")
+    if not (d_time < 0 and p_time < P_TIME_BAR):
+        reasons.append(f"candidate time {d_time:+.3f} s vs baseline, Welch p = {fmt_p(p_time)} "
+                       f"(needs faster at p < {P_TIME_BAR})")
+    if reasons:
+        return "**FAIL**: " + "; ".join(reasons) + "."
+    return (f"**PASS**: every run finished; candidate val loss {loss_mean:.5f} < {TARGET} (p = {fmt_p(p_loss)}); "
+            f"{-d_time:.3f} s faster than the baseline (Welch p = {fmt_p(p_time)}).")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''.replace("__TARGET__", repr(report.TARGET_VAL_LOSS)).replace("__P_LOSS__", repr(P_LOSS_BAR)).replace(
+    "__P_TIME__", repr(P_TIME_BAR))
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, train_args = argv[:cut], argv[cut + 1:]
+    else:
+        train_args = []
+    ap = argparse.ArgumentParser(prog="python -m records.certify", description=__doc__.split("\n\n")[0],
+                                 usage="python -m records.certify --baseline REV --candidate REV --runs N [options] "
+                                       "-- TRAIN_GPT_ARGS...")
+    ap.add_argument("--baseline", required=True, help="the revision to beat (branch, tag, commit, HEAD~1)")
+    ap.add_argument("--candidate", required=True, help="the revision with the change")
+    ap.add_argument("--runs", type=int, required=True, help="runs per revision (upstream PR #366: 12)")
+    ap.add_argument("--nproc", type=int, default=8, help="processes per run (torchrun --nproc_per_node; default 8)")
+    ap.add_argument("--name", default=None, help="the write-up's name (default: BASELINE-vs-CANDIDATE short hashes)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the certification folder (default: records/track_1_short/<YYYY-MM-DD>_<NAME>)")
+    ap.add_argument("--resume", action="store_true", help="continue the certification in --out from its ledger")
+    ap.add_argument("--dry-run", action="store_true", help="print every run's command and folder; run nothing")
+    args = ap.parse_args(argv)
+    if args.runs < 2:
+        ap.error(f"--runs {args.runs}: needs at least 2 runs per revision for a t-test")
+    if args.nproc < 1:
+        ap.error(f"--nproc {args.nproc}: needs at least 1 process")
+    return args, train_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, raw_train_args = parse_args(sys.argv[1:] if argv is None else argv)
+    cwd = Path.cwd()
+    try:
+        repo = Path(git(["rev-parse", "--show-toplevel"], cwd))
+        env = dict(os.environ)
+        train_args = check_train_args(raw_train_args, cwd, env)
+        plan = make_plan(repo, args.baseline, args.candidate, args.runs, args.nproc, args.name or "", train_args)
+        name = plan["name"] = args.name or f"{plan['baseline']['commit'][:8]}-vs-{plan['candidate']['commit'][:8]}"
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            raise CertifyError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
+        out_dir = (args.out or repo / "records" / "track_1_short" / f"{_dt.date.today():%Y-%m-%d}_{name}").resolve()
+        if args.dry_run:
+            return dry_run(plan, out_dir)
+        return certify(plan, out_dir, args.resume, env)
+    except CertifyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def dry_run(plan: dict, out_dir: Path) -> int:
+    print(f"certification {plan['name']} -> {out_dir} (dry run: nothing runs)")
+    print("  $WORKTREES: a new temporary folder holding `git worktree add --detach` of each revision, "
+          "removed at the end")
+    for label in LABELS:
+        print(f"  {label}: {plan[label]['commit']} {plan[label]['subject']} "
+              f"(worktree: $WORKTREES/{label}-{plan[label]['commit'][:12]})")
+    for i, label in enumerate(plan["order"]):
+        print(f"run {i + 1}/{len(plan['order'])} {label}: cd $WORKTREES/{label}-{plan[label]['commit'][:12]} && "
+              f"{shlex.join(train_command(plan, label, out_dir))}")
+    return 0
+
+
+def certify(plan: dict, out_dir: Path, resume: bool, env: dict) -> int:
+    ledger_path = out_dir / LEDGER_NAME
+    if resume:
+        ledger = load_ledger(out_dir)
+        diffs = plan_differences(ledger["plan"], plan)
+        if diffs:
+            raise CertifyError(f"--resume: the plan differs from {ledger_path}'s: " + "; ".join(diffs))
+        for r in [r for r in ledger["runs"] if r["status"] == "interrupted"]:  # rerun, keep the attempt
+            ledger["runs"].remove(r)
+            ledger["interrupted_attempts"].append(r)
+    else:
+        if ledger_path.exists():
+            raise CertifyError(f"--out {out_dir} already holds a certification ({LEDGER_NAME}): --resume to "
+                               f"continue it, or choose another --out")
+        if out_dir.exists() and any(out_dir.iterdir()):
+            raise CertifyError(f"--out {out_dir} exists and is not empty: choose a new folder")
+        ledger = {"version": LEDGER_VERSION, "plan": plan, "runs": [], "interrupted_attempts": []}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_ledger(out_dir, ledger)
+
+    done = {r["index"] for r in ledger["runs"]}
+    pending = [i for i in range(len(plan["order"])) if i not in done]
+    interrupted = False
+    if pending:
+        interrupted = _run_pending(plan, ledger, pending, out_dir, env)
+    text = write_outputs(out_dir, ledger)
+    print(text.rstrip().splitlines()[-1])
+    print(f"written: {out_dir / 'statistics.md'}, statistics.py, README.md, runs.tsv")
+    if interrupted:
+        print(f"interrupted: continue with the same command and --resume (ledger {ledger_path})", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _run_pending(plan: dict, ledger: dict, pending: list[int], out_dir: Path, env: dict) -> bool:
+    """Run the pending runs in order; True if Ctrl-C stopped them. Worktrees are removed in any case."""
+    from tqdm import tqdm
+
+    repo = Path(plan["repo"])
+    base = Path(tempfile.mkdtemp(prefix="certify-worktrees-"))
+    worktrees: dict[str, Path] = {}
+    try:
+        for label in sorted({plan["order"][i] for i in pending}):
+            path = base / f"{label}-{plan[label]['commit'][:12]}"
+            git(["worktree", "add", "--detach", str(path), plan[label]["commit"]], repo)
+            worktrees[label] = path
+        total = len(plan["order"])
+        with tqdm(total=total, initial=total - len(pending), unit="run", desc="certify",
+                  file=sys.stderr, dynamic_ncols=True) as bar:
+            for i in pending:
+                label = plan["order"][i]
+                bar.set_postfix_str(f"run {i + 1} {label}")
+                entry, stopped = run_one(i, plan, out_dir, worktrees[label], env)
+                ledger["runs"].append(entry)
+                save_ledger(out_dir, ledger)
+                if stopped:
+                    return True
+                bar.update(1)
+                if entry["status"] != "finished":
+                    bar.write(f"run {i + 1} ({label}) {entry['status']}: {entry['error']} (log {entry['log']}); "
+                              f"counted, continuing")
+        return False
+    except KeyboardInterrupt:  # between runs, or while the worktrees were made
+        return True
+    finally:
+        for path in worktrees.values():
+            subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=repo, capture_output=True)
+        subprocess.run(["git", "worktree", "prune"], cwd=repo, capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

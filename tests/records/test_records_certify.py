@@ -1,0 +1,285 @@
+"""records.certify on a toy git repository whose train_gpt.py is a fake trainer (no model, no data).
+
+The fake writes a log in the upstream line format under --records-dir/logs/ and a runs.jsonl line
+shaped like records.runs_log.RunRecord, with a val loss and time that depend on its revision (and
+cycle through mean − s, mean, mean + s, so the statistics are deterministic); one revision crashes
+before writing anything. The launcher is replaced by plain `python` except in the torchrun test.
+"""
+import ast
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from records import certify, report
+
+FAKE_TRAINER = r'''
+import argparse, datetime, json, os, subprocess, sys, uuid
+MEAN_LOSS, MEAN_MS, CRASH, SLEEP = {loss!r}, {ms!r}, {crash!r}, {sleep!r}
+ap = argparse.ArgumentParser()
+ap.add_argument("--label"); ap.add_argument("--records-dir"); ap.add_argument("--data-path")
+ap.add_argument("--max-steps", type=int, default=3)
+args, _ = ap.parse_known_args()
+assert os.path.isabs(args.data_path) and os.path.isdir(args.data_path), args.data_path
+if SLEEP:  # until Ctrl-C
+    print("fake trainer sleeping", flush=True)
+    import time; time.sleep(120)
+if CRASH:
+    print("Traceback (most recent call last):\nRuntimeError: the fake trainer crashes", file=sys.stderr)
+    sys.exit(1)
+runs = os.path.join(args.records_dir, "runs.jsonl")
+k = sum(json.loads(l)["label"] == args.label for l in open(runs)) if os.path.exists(runs) else 0
+off = (-1, 0, 1)[k % 3]
+loss, ms = round(MEAN_LOSS + 0.0005 * off, 4), MEAN_MS + 10 * off
+commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+run_id = str(uuid.uuid4())
+log = os.path.join(args.records_dir, "logs", run_id + ".txt")
+os.makedirs(os.path.dirname(log), exist_ok=True)
+n = args.max_steps
+with open(log, "w") as f:
+    f.write(f"git commit: {{commit}} dirty: False\n")
+    f.write("Running PyTorch 2.13.0 compiled for CUDA None\nDevices: fake device\n")
+    f.write(f"step:{{n}}/{{n}} val_loss:{{loss:.4f}} train_time:{{ms}}ms step_avg:{{ms / n:.2f}}ms\n")
+rec = dict(run_id=run_id, started=datetime.datetime.now().isoformat(), config="fake", world_size=1,
+           device="fake device", git_commit=commit, git_dirty=False, status="finished", log_path=log,
+           label=args.label, steps=n, train_time_ms=float(ms), val_loss=loss)
+with open(runs, "a") as f:
+    f.write(json.dumps(rec) + "\n")
+print("fake run done", run_id)
+'''
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """Four commits: baseline (3.2750, 1000 ms), fast (3.2740, 900 ms), crash, slow (sleeps until Ctrl-C)."""
+    root = tmp_path_factory.mktemp("toy")
+    repo = root / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@example.com")
+    _git(repo, "config", "user.name", "t")
+    commits = {}
+    for name, loss, ms, crash, sleep in (("baseline", 3.2750, 1000, False, False), ("fast", 3.2740, 900, False, False),
+                                         ("crash", 3.2740, 900, True, False), ("slow", 3.2740, 900, False, True)):
+        (repo / "train_gpt.py").write_text(FAKE_TRAINER.format(loss=loss, ms=ms, crash=crash, sleep=sleep))
+        _git(repo, "add", "train_gpt.py")
+        _git(repo, "commit", "-q", "-m", f"fake trainer: {name}")
+        commits[name] = _git(repo, "rev-parse", "HEAD")
+    (root / "shards").mkdir()
+    return repo, commits
+
+
+@pytest.fixture
+def fast_launcher(monkeypatch):
+    monkeypatch.setattr(certify, "launcher_command", lambda nproc: [sys.executable])
+
+
+def _certify(repo, monkeypatch, baseline, candidate, out, runs=3, extra=()):
+    monkeypatch.chdir(repo)
+    return certify.main(["--baseline", baseline, "--candidate", candidate, "--runs", str(runs), "--nproc", "1",
+                         "--name", "toy", "--out", str(out), *extra, "--", "--data-path", "../shards",
+                         "--max-steps", "3"])
+
+
+def _worktrees(repo):
+    return [line for line in _git(repo, "worktree", "list", "--porcelain").splitlines() if line.startswith("worktree ")]
+
+
+def _section(text, start="## Runs, in the order they ran"):
+    return text[text.index(start):]
+
+
+def _stats_row(text, label):
+    for line in text.splitlines():
+        if line.startswith(f"| {label} |"):
+            return [c.strip() for c in line.strip("|").split("|")]
+    raise AssertionError(f"no {label} row in\n{text}")
+
+
+def _standalone(out):
+    res = subprocess.run([sys.executable, "statistics.py"], cwd=out, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_dry_run_prints_the_plan_and_runs_nothing(toy, monkeypatch, capsys, tmp_path, fast_launcher):
+    repo, commits = toy
+    out = tmp_path / "cert"
+    assert _certify(repo, monkeypatch, commits["baseline"], commits["fast"], out, runs=2, extra=["--dry-run"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("run ")]
+    assert [re.match(r"run \d/4 (\w+):", line)[1] for line in lines] == ["baseline", "candidate"] * 2
+    shards = str((repo.parent / "shards").resolve())
+    assert all(f"--data-path {shards}" in line and f"--records-dir {out}" in line for line in lines)
+    assert f"{commits['fast'][:12]} && " in lines[1] and "train_gpt.py" in lines[1]
+    assert not out.exists() and len(_worktrees(repo)) == 1
+
+
+def test_interleaved_runs_statistics_match_report_and_standalone_script(toy, monkeypatch, capsys, tmp_path,
+                                                                         fast_launcher):
+    repo, commits = toy
+    out = tmp_path / "cert"
+    assert _certify(repo, monkeypatch, commits["baseline"], commits["fast"], out) == 0
+    ledger = json.loads((out / "certify.json").read_text())
+    assert ledger["plan"]["order"] == ["baseline", "candidate"] * 3
+    assert ledger["plan"]["train_args"][:2] == ["--data-path", str((repo.parent / "shards").resolve())]
+    assert [(r["index"], r["label"], r["status"]) for r in ledger["runs"]] == \
+        [(i, ("baseline", "candidate")[i % 2], "finished") for i in range(6)]
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [r["label"] for r in runs] == ["baseline", "candidate"] * 3  # the order they really ran
+    assert [r["git_commit"] for r in runs] == [commits["baseline"], commits["fast"]] * 3
+    assert len(_worktrees(repo)) == 1  # the worktrees are gone
+
+    md = (out / "statistics.md").read_text()
+    assert "**PASS**" in md and commits["fast"] in md and "fake trainer: fast" in md and "Devices: fake device" in md
+    assert "| 2 | candidate | " in md and "| 3.2735 | 890 | finished |" in md
+    # the same numbers as records.report on the same runs.jsonl
+    capsys.readouterr()
+    assert report.main(["--runs", str(out / "runs.jsonl"), "--group-by", "label", "--baseline", "baseline"]) == 0
+    rep = capsys.readouterr().out
+    base_md, cand_md = _stats_row(md, "baseline"), _stats_row(md, "candidate")
+    assert cand_md[1:4] == ["3", "3", "0"]
+    assert base_md[4:] == _stats_row(rep, "baseline (baseline)")[1:7]
+    assert cand_md[4:] == _stats_row(rep, "candidate")[1:7]
+    assert _stats_row(md, "candidate − baseline")[1:] == _stats_row(rep, "candidate")[7:]
+    assert cand_md[6] == "3.27400 ± 0.00050" and cand_md[5] == "0.900 ± 0.010"
+    # the standalone script recomputes it all from the logs and runs.tsv
+    assert _standalone(out) == _section(md)
+    tree = ast.parse((out / "statistics.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported <= set(sys.stdlib_module_names) | {"scipy"}, imported  # nothing of this repository
+    assert "python -m records.certify --baseline " + commits["baseline"] in (out / "README.md").read_text()
+
+    assert _certify(repo, monkeypatch, commits["baseline"], commits["fast"], out) == 2  # no silent overwrite
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_a_crashing_candidate_is_counted_as_failed(toy, monkeypatch, tmp_path, fast_launcher):
+    repo, commits = toy
+    out = tmp_path / "cert"
+    assert _certify(repo, monkeypatch, commits["baseline"], commits["crash"], out, runs=2) == 0
+    md = (out / "statistics.md").read_text()
+    assert _stats_row(md, "candidate")[1:5] == ["2", "0", "2", "0"]  # planned, finished, failed, n
+    assert _stats_row(md, "baseline")[1:5] == ["2", "2", "0", "2"]
+    assert md.count("| candidate | - | - | - | failed |") == 2
+    assert "**FAIL**" in md and "run 2 (candidate) failed" in md and "run 4 (candidate) failed" in md
+    kept = (out / "logs" / "certify-02-candidate.txt").read_text()
+    assert "the fake trainer crashes" in kept and "exit code 1" in kept
+    ledger = json.loads((out / "certify.json").read_text())
+    assert [r["status"] for r in ledger["runs"]] == ["finished", "failed"] * 2
+    assert ledger["runs"][1]["error"] == "exit code 1; no runs.jsonl line"
+    assert "- run 2 (candidate) failed: exit code 1; no runs.jsonl line (log `logs/certify-02-candidate.txt`" in md
+    assert _standalone(out) == _section(md)
+    assert len(_worktrees(repo)) == 1
+
+
+def test_resume_continues_an_interrupted_certification(toy, monkeypatch, capsys, tmp_path, fast_launcher):
+    repo, commits = toy
+    out = tmp_path / "cert"
+    real = certify.run_process
+    calls = []
+
+    def interrupted_at_third(cmd, cwd, env, out_path):
+        calls.append(cmd)
+        rc = real(cmd, cwd, env, out_path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return rc
+
+    monkeypatch.setattr(certify, "run_process", interrupted_at_third)
+    assert _certify(repo, monkeypatch, commits["baseline"], commits["fast"], out, runs=2) == 130
+    ledger = json.loads((out / "certify.json").read_text())
+    assert [(r["index"], r["status"]) for r in ledger["runs"]] == [(0, "finished"), (1, "finished"), (2, "interrupted")]
+    assert "**INCOMPLETE**" in (out / "statistics.md").read_text()
+    assert len(_worktrees(repo)) == 1
+
+    monkeypatch.setattr(certify, "run_process", real)
+    assert _certify(repo, monkeypatch, commits["baseline"], commits["fast"], out, runs=3, extra=["--resume"]) == 2
+    assert "runs_per_group" in capsys.readouterr().err  # a different plan is refused
+    assert _certify(repo, monkeypatch, commits["baseline"], commits["fast"], out, runs=2, extra=["--resume"]) == 0
+    ledger = json.loads((out / "certify.json").read_text())
+    assert sorted(r["index"] for r in ledger["runs"]) == [0, 1, 2, 3]
+    assert all(r["status"] == "finished" for r in ledger["runs"])
+    assert [a["index"] for a in ledger["interrupted_attempts"]] == [2]
+    rerun = next(r for r in ledger["runs"] if r["index"] == 2)
+    assert (rerun["console"], ledger["interrupted_attempts"][0]["console"]) == ("console/03-baseline-2.txt",
+                                                                               "console/03-baseline.txt")
+    assert rerun["log"] != ledger["interrupted_attempts"][0]["log"]
+    md = (out / "statistics.md").read_text()
+    assert "Interrupted by the operator" in md and ledger["interrupted_attempts"][0]["log"] in md
+    assert _stats_row(md, "baseline")[1:5] == ["2", "2", "0", "2"]
+    assert _standalone(out) == _section(md)
+    assert len(_worktrees(repo)) == 1
+
+
+@pytest.mark.parametrize("train_args, env, needle", [
+    (["--data-path", "../shards", "--seed", "1"], {}, "not independent"),
+    (["--data-path", "../shards"], {"TRAIN_SEED": "3"}, "TRAIN_SEED"),
+    (["--data-path", "../shards", "--label", "x"], {}, "--label"),
+    (["--max-steps", "3"], {"DATA_PATH": ""}, "--data-path"),
+])
+def test_refusals(toy, monkeypatch, capsys, tmp_path, train_args, env, needle):
+    repo, commits = toy
+    monkeypatch.chdir(repo)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc = certify.main(["--baseline", commits["baseline"], "--candidate", commits["fast"], "--runs", "2",
+                       "--out", str(tmp_path / "cert"), "--", *train_args])
+    assert rc == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "cert").exists()
+
+
+def test_refuses_unknown_and_identical_revisions(toy, monkeypatch, capsys):
+    repo, commits = toy
+    monkeypatch.chdir(repo)
+    base = ["--runs", "2", "--dry-run", "--", "--data-path", "../shards"]
+    assert certify.main(["--baseline", "no-such-rev", "--candidate", "HEAD", *base]) == 2
+    assert "--baseline 'no-such-rev' is not a commit" in capsys.readouterr().err
+    assert certify.main(["--baseline", "HEAD", "--candidate", commits["slow"], *base]) == 2
+    assert "same commit" in capsys.readouterr().err
+
+
+def test_through_torchrun(toy, monkeypatch, tmp_path):
+    repo, commits = toy
+    out = tmp_path / "cert"
+    assert _certify(repo, monkeypatch, commits["baseline"], commits["fast"], out, runs=2) == 0
+    ledger = json.loads((out / "certify.json").read_text())
+    assert [r["status"] for r in ledger["runs"]] == ["finished"] * 4
+    assert "torch.distributed.run" in " ".join(certify.train_command(ledger["plan"], "baseline", out))
+    assert _standalone(out) == _section((out / "statistics.md").read_text())
+    assert len(_worktrees(repo)) == 1
+
+
+def test_ctrl_c_stops_after_recording_the_interrupted_run(toy, tmp_path):
+    repo, commits = toy
+    out = tmp_path / "cert"
+    env = {**os.environ, "PYTHONPATH": str(Path(certify.__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "records.certify", "--baseline", commits["baseline"],
+                             "--candidate", commits["slow"], "--runs", "2", "--nproc", "1", "--out", str(out), "--",
+                             "--data-path", "../shards"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    console = out / "console" / "02-candidate.txt"
+    deadline = time.monotonic() + 45
+    while not (console.is_file() and "fake trainer sleeping" in console.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "--resume" in stderr
+    ledger = json.loads((out / "certify.json").read_text())
+    assert [(r["label"], r["status"]) for r in ledger["runs"]] == [("baseline", "finished"),
+                                                                   ("candidate", "interrupted")]
+    md = (out / "statistics.md").read_text()
+    assert "**INCOMPLETE**" in md and "run 2 (candidate) interrupted" in md
+    assert len(_worktrees(repo)) == 1
