@@ -333,71 +333,29 @@ def write_order_tsv(out_dir: Path, ledger: dict) -> None:
     atomic_write(out_dir / ORDER_NAME, "\n".join(lines) + "\n")
 
 
-def _dash(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def render_results(rows: list[dict], attempts: list[dict], runs_per_group: int) -> str:
-    """The run table, statistics and verdict; statistics.py prints the same text from the logs."""
-    out = ["## Runs, in the order they ran", "",
-           "| # | label | run id | val loss | train time (ms) | status |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['index'] + 1} | {r['label']} | {r.get('run_id') or '-'} | {_dash(r['val_loss'], '.4f')} "
-                   f"| {_dash(r['train_time_ms'], '.0f')} | {r['status']} |")
-    if attempts:
-        out += ["", "Interrupted by the operator (Ctrl-C) and rerun; kept, not used in the statistics:", ""]
-        out += [f"- run {a['index'] + 1} ({a['label']}): {a.get('log') or 'no log'}" for a in attempts]
-    out += ["", "## Statistics", "",
-            f"Val loss and train time as the logs print them (4 decimals, whole ms); mean ± sample std over each "
-            f"group's finished runs; t = ({report.TARGET_VAL_LOSS} − mean)/(s/√n), p one-sided "
-            f"(mean below {report.TARGET_VAL_LOSS}).", "",
-            f"| group | planned | finished | failed | n | train time (s) | val loss | t (below "
-            f"{report.TARGET_VAL_LOSS}) | df | p(loss < {report.TARGET_VAL_LOSS}) |", "|---" * 10 + "|"]
-    stats, data = {}, {}
+    """The run table, statistics and verdict of statistics.md: the numbers from records.report, the
+    page from statistics.py's own `render` (one layout and one verdict for both, so the standalone
+    script prints exactly these sections from the logs)."""
+    groups, stats, data = {}, {}, {}
     for label in LABELS:
         mine = [r for r in rows if r["label"] == label]
         fin = [r for r in mine if r["status"] == "finished"]
-        losses, times = [r["val_loss"] for r in fin], [r["train_time_ms"] / 1000 for r in fin]
-        data[label] = (losses, times)
-        stats[label] = report.group_stats(losses, times) if fin else None
-        cells = report.format_group_cells(stats[label]) if fin else ["0", "-", "-", "-", "-", "-"]
+        data[label] = ([r["val_loss"] for r in fin], [r["train_time_ms"] / 1000 for r in fin])
+        stats[label] = report.group_stats(*data[label]) if fin else None
         failed = sum(r["status"] in ("failed", "interrupted") for r in mine)
-        out.append(f"| {label} | {len(mine)} | {len(fin)} | {failed} | " + " | ".join(cells) + " |")
-    comparison = None
+        groups[label] = (len(mine), len(fin), failed, report.format_group_cells(stats[label]) if fin else None)
+    comparison_cells = candidate = time_test = None
     if stats["baseline"] and stats["candidate"]:
         comparison = report.compare(*data["candidate"], *data["baseline"])
-        out += ["", "| comparison | Δ time (s) | p time (Welch) | Δ loss | p loss (Welch) |", "|---|---|---|---|---|",
-                "| candidate − baseline | " + " | ".join(report.format_comparison_cells(comparison)) + " |"]
-    out += ["", "## Verdict", "",
-            f"The bar (upstream's rules): every run counted ({runs_per_group} per revision, all finished: none "
-            f"failed, none left out); the candidate's mean val loss below {report.TARGET_VAL_LOSS} with one-sided "
-            f"p < {P_LOSS_BAR}; the candidate faster than the baseline, timed on the same machine, interleaved: "
-            f"lower mean train time with two-sided Welch p < {P_TIME_BAR}.", "",
-            verdict(rows, stats["candidate"], comparison)]
-    return "\n".join(out) + "\n"
-
-
-def verdict(rows: list[dict], cand: report.GroupStats | None, comparison: report.Comparison | None) -> str:
-    pending = [r for r in rows if r["status"] == "pending"]
-    if pending:
-        return f"**INCOMPLETE**: {len(pending)} of {len(rows)} runs have not run (continue with --resume)."
-    bad = [f"run {r['index'] + 1} ({r['label']}) {r['status']}" for r in rows if r["status"] != "finished"]
-    if cand is None or comparison is None:
-        return "**FAIL**: " + "; ".join(bad + ["a revision has no finished run"]) + "."
-    if cand.p_below_target is None or comparison.p_time is None:
-        return "**UNDECIDED**: scipy is not installed, so there are no p-values (pip install scipy)."
-    reasons = list(bad)
-    if not (cand.loss_mean < report.TARGET_VAL_LOSS and cand.p_below_target < P_LOSS_BAR):
-        reasons.append(f"candidate val loss {cand.loss_mean:.5f}, p = {report._fmt_p(cand.p_below_target)} "
-                       f"(needs mean < {report.TARGET_VAL_LOSS} at p < {P_LOSS_BAR})")
-    if not (comparison.d_time_s < 0 and comparison.p_time < P_TIME_BAR):
-        reasons.append(f"candidate time {comparison.d_time_s:+.3f} s vs baseline, Welch p = "
-                       f"{report._fmt_p(comparison.p_time)} (needs faster at p < {P_TIME_BAR})")
-    if reasons:
-        return "**FAIL**: " + "; ".join(reasons) + "."
-    return (f"**PASS**: every run finished; candidate val loss {cand.loss_mean:.5f} < {report.TARGET_VAL_LOSS} "
-            f"(p = {report._fmt_p(cand.p_below_target)}); {-comparison.d_time_s:.3f} s faster than the baseline "
-            f"(Welch p = {report._fmt_p(comparison.p_time)}).")
+        comparison_cells = report.format_comparison_cells(comparison)
+        time_test = (comparison.d_time_s, comparison.p_time)
+    if stats["candidate"]:
+        candidate = (stats["candidate"].loss_mean, stats["candidate"].p_below_target)
+    shown = [dict(r, index=r["index"] + 1) for r in rows]  # the ledger counts from 0, the page from 1
+    shown_attempts = [dict(a, index=a["index"] + 1) for a in attempts]
+    return _STATISTICS_PAGE["render"](shown, shown_attempts, runs_per_group, groups, comparison_cells,
+                                      candidate, time_test) + "\n"
 
 
 _MACHINE_PREFIXES = ("Running Python", "Running PyTorch", "Running Triton", "Devices:")
@@ -437,7 +395,8 @@ def write_outputs(out_dir: Path, ledger: dict) -> str:
     if failures:
         head += ["## Runs that did not finish (counted, never dropped)", ""]
         head += [f"- run {r['index'] + 1} ({r['label']}) {r['status']}: {' '.join(str(r['error']).split())} "
-                 f"(log `{r['log']}`, console `{r['console']}`)" for r in sorted(failures, key=lambda r: (r["index"], r["started"]))]
+                 f"(log `{r['log']}`, console `{r['console']}`)"
+                 for r in sorted(failures, key=lambda r: (r["index"], r["started"]))]
         head.append("")
     head += ["Recompute the run table, the statistics and the verdict from the logs alone: "
              "`python statistics.py` in this folder.", ""]
@@ -517,8 +476,10 @@ import sys
 from pathlib import Path
 
 # this file is named statistics.py: keep its folder off the path so `import statistics` is the stdlib's
-_HERE = Path(__file__).resolve().parent
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+# (records/certify.py also loads this text as a module, for `render`: there the path is left alone)
+if __name__ == "__main__":
+    _HERE = Path(__file__).resolve().parent
+    sys.path = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import csv  # noqa: E402
 import math  # noqa: E402
@@ -608,61 +569,78 @@ def main():
     folder = _HERE
     rows, attempts, problems = read_rows(folder)
     per_group = sum(r["label"] == LABELS[0] for r in rows)
-    out = ["## Runs, in the order they ran", "",
-           "| # | label | run id | val loss | train time (ms) | status |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['index']} | {r['label']} | {r['run_id'] or '-'} | {dash(r['val_loss'], '.4f')} "
-                   f"| {dash(r['train_time_ms'], '.0f')} | {r['status']} |")
-    if attempts:
-        out += ["", "Interrupted by the operator (Ctrl-C) and rerun; kept, not used in the statistics:", ""]
-        out += [f"- run {a['index']} ({a['label']}): {a['log'] or 'no log'}" for a in attempts]
-    out += ["", "## Statistics", "",
-            f"Val loss and train time as the logs print them (4 decimals, whole ms); mean ± sample std over each "
-            f"group's finished runs; t = ({TARGET} − mean)/(s/√n), p one-sided (mean below {TARGET}).", "",
-            f"| group | planned | finished | failed | n | train time (s) | val loss | t (below {TARGET}) | df "
-            f"| p(loss < {TARGET}) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    data, tests = {}, {}
+    groups, data, candidate = {}, {}, None
     for label in LABELS:
         mine = [r for r in rows if r["label"] == label]
         fin = [r for r in mine if r["status"] == "finished"]
         losses, times = [r["val_loss"] for r in fin], [r["train_time_ms"] / 1000 for r in fin]
         data[label] = (losses, times)
         failed = sum(r["status"] in ("failed", "interrupted") for r in mine)
+        cells = None
         if fin:
             t, df, p = target_test(losses)
-            tests[label] = (statistics.fmean(losses), p)
+            if label == "candidate":
+                candidate = (statistics.fmean(losses), p)
             cells = [str(len(fin)), fmt_pm(*mean_std(times), 3), fmt_pm(*mean_std(losses), 5),
                      "n/a" if math.isnan(t) else f"{t:.2f}", str(df), fmt_p(p)]
-        else:
-            cells = ["0", "-", "-", "-", "-", "-"]
-        out.append(f"| {label} | {len(mine)} | {len(fin)} | {failed} | " + " | ".join(cells) + " |")
-    cmp = None
+        groups[label] = (len(mine), len(fin), failed, cells)
+    comparison_cells = time_test = None
     if data["baseline"][0] and data["candidate"][0]:
         (cl, ct), (bl, bt) = data["candidate"], data["baseline"]
-        cmp = (statistics.fmean(ct) - statistics.fmean(bt), welch_p(ct, bt),
-               statistics.fmean(cl) - statistics.fmean(bl), welch_p(cl, bl))
-        out += ["", "| comparison | Δ time (s) | p time (Welch) | Δ loss | p loss (Welch) |", "|---|---|---|---|---|",
-                f"| candidate − baseline | {cmp[0]:+.3f} | {fmt_p(cmp[1])} | {cmp[2]:+.5f} | {fmt_p(cmp[3])} |"]
-    out += ["", "## Verdict", "",
-            f"The bar (upstream's rules): every run counted ({per_group} per revision, all finished: none "
-            f"failed, none left out); the candidate's mean val loss below {TARGET} with one-sided "
-            f"p < {P_LOSS_BAR}; the candidate faster than the baseline, timed on the same machine, interleaved: "
-            f"lower mean train time with two-sided Welch p < {P_TIME_BAR}.", "",
-            verdict(rows, tests.get("candidate"), cmp)]
-    print("\n".join(out))
+        d_time, p_time = statistics.fmean(ct) - statistics.fmean(bt), welch_p(ct, bt)
+        comparison_cells = [f"{d_time:+.3f}", fmt_p(p_time), f"{statistics.fmean(cl) - statistics.fmean(bl):+.5f}",
+                            fmt_p(welch_p(cl, bl))]
+        time_test = (d_time, p_time)
+    print(render(rows, attempts, per_group, groups, comparison_cells, candidate, time_test))
     for p in problems:
         print(f"warning: {p}", file=sys.stderr)
     return 1 if problems else 0
 
 
+def render(rows, attempts, per_group, groups, comparison_cells, candidate, time_test):
+    """The run table, the statistics and the verdict, as statistics.md has them (records/certify.py
+    renders statistics.md through this function too). rows, attempts: dicts with index (from 1),
+    label, run_id, val_loss, train_time_ms, status, log; groups: label -> (planned, finished, failed,
+    [n, time, loss, t, df, p] cells or None); comparison_cells: [Δ time, p, Δ loss, p] or None;
+    candidate: (mean val loss, one-sided p) or None; time_test: (Δ time s, Welch p) or None."""
+    out = ["## Runs, in the order they ran", "",
+           "| # | label | run id | val loss | train time (ms) | status |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['index']} | {r['label']} | {r.get('run_id') or '-'} | {dash(r['val_loss'], '.4f')} "
+                   f"| {dash(r['train_time_ms'], '.0f')} | {r['status']} |")
+    if attempts:
+        out += ["", "Interrupted by the operator (Ctrl-C) and rerun; kept, not used in the statistics:", ""]
+        out += [f"- run {a['index']} ({a['label']}): {a.get('log') or 'no log'}" for a in attempts]
+    out += ["", "## Statistics", "",
+            f"Val loss and train time as the logs print them (4 decimals, whole ms); mean ± sample std over each "
+            f"group's finished runs; t = ({TARGET} − mean)/(s/√n), p one-sided (mean below {TARGET}).", "",
+            f"| group | planned | finished | failed | n | train time (s) | val loss | t (below {TARGET}) | df "
+            f"| p(loss < {TARGET}) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for label in LABELS:
+        planned, finished, failed, cells = groups[label]
+        cells = cells or ["0", "-", "-", "-", "-", "-"]
+        out.append(f"| {label} | {planned} | {finished} | {failed} | " + " | ".join(cells) + " |")
+    if comparison_cells is not None:
+        out += ["", "| comparison | Δ time (s) | p time (Welch) | Δ loss | p loss (Welch) |", "|---|---|---|---|---|",
+                "| candidate − baseline | " + " | ".join(comparison_cells) + " |"]
+    out += ["", "## Verdict", "",
+            f"The bar (upstream's rules): every run counted ({per_group} per revision, all finished: none "
+            f"failed, none left out); the candidate's mean val loss below {TARGET} with one-sided "
+            f"p < {P_LOSS_BAR}; the candidate faster than the baseline, timed on the same machine, interleaved: "
+            f"lower mean train time with two-sided Welch p < {P_TIME_BAR}.", "",
+            verdict(rows, candidate, time_test)]
+    return "\n".join(out)
+
+
 def verdict(rows, cand, cmp):
+    """cand: (mean val loss, one-sided p) of the candidate; cmp: (Δ time s, Welch p) against the baseline."""
     pending = [r for r in rows if r["status"] == "pending"]
     if pending:
         return f"**INCOMPLETE**: {len(pending)} of {len(rows)} runs have not run (continue with --resume)."
     bad = [f"run {r['index']} ({r['label']}) {r['status']}" for r in rows if r["status"] != "finished"]
     if cand is None or cmp is None:
         return "**FAIL**: " + "; ".join(bad + ["a revision has no finished run"]) + "."
-    (loss_mean, p_loss), (d_time, p_time) = cand, cmp[:2]
+    (loss_mean, p_loss), (d_time, p_time) = cand, cmp
     if p_loss is None or p_time is None:
         return "**UNDECIDED**: scipy is not installed, so there are no p-values (pip install scipy)."
     reasons = list(bad)
@@ -682,6 +660,11 @@ if __name__ == "__main__":
     sys.exit(main())
 '''.replace("__TARGET__", repr(report.TARGET_VAL_LOSS)).replace("__P_LOSS__", repr(P_LOSS_BAR)).replace(
     "__P_TIME__", repr(P_TIME_BAR))
+
+
+# statistics.md is rendered by the script's own `render` (and `verdict`): one layout for both
+_STATISTICS_PAGE: dict = {"__name__": "records.certify.statistics_py"}
+exec(compile(STATISTICS_PY, "statistics.py", "exec"), _STATISTICS_PAGE)
 
 
 # ------------------------------------------------------------------------------------------------
