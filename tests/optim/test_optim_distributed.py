@@ -56,6 +56,7 @@ WORKER = textwrap.dedent('''
     saved["ngram_shard"] = ngram.shard
     torch.save(saved, f"{out}.{rank}")
     if world > 1:
+        dist.barrier()  # no rank tears gloo down while a peer is still in a collective
         dist.destroy_process_group()
 ''')
 
