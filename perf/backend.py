@@ -14,6 +14,13 @@ can be overridden with environment variables (read once, at first use):
     SPEEDRUN_HOST_CHECKS=0|1     debugging checks that read tensor values on the host (index ranges, ...):
                                  default 1 on CPU, 0 on CUDA and under SPEEDRUN_SYNC_CHECK=1 (a GPU would
                                  wait on them); never inside torch.compile
+    SPEEDRUN_OVERLAP=0|1         every overlap piece below at once (default 1); the finer switches
+                                 override it one by one, so an experimenter can ablate each:
+    SPEEDRUN_PINNED_BATCHES=0|1  batches through a pinned host ring and a side-stream copy (CUDA; on CPU
+                                 the same code with plain tensors)
+    SPEEDRUN_FUSED_QKV=0|1       the fused RMS-norm / e4m3 / QKV / rotary path (the Triton kernels with
+                                 SPEEDRUN_TRITON=1, their portable twins otherwise)
+    SPEEDRUN_SHARDED_PREFIX=0|1  the prefix table built one slice per rank and all-gathered
 
 A record run never falls back silently: `require_fast_path` lists everything the record needs that
 this backend lacks, and the record preset stops with that message.
@@ -41,6 +48,10 @@ class Backend:
     compile_backend: str = "inductor"
     sync_check: bool = False  # the timed step fails on a host sync (perf/sync_check.py)
     host_checks: bool = False  # value checks that read tensors on the host (see host_checks())
+    # overlap pieces (issue "Overlap"): each one hides work behind compute without changing the math
+    pinned_batches: bool = True  # pinned host ring + side-stream batch copies
+    fused_qkv: bool = True  # fused RMS-norm / e4m3 / QKV GEMM epilogue / rotary
+    sharded_prefix: bool = True  # prefix table: one slice per rank, all-gathered
 
     @property
     def is_fast_path(self) -> bool:
@@ -71,6 +82,7 @@ def detect(env=os.environ, device: str | None = None) -> Backend:
     if compile_backend not in COMPILE_BACKENDS:
         raise ValueError(f"SPEEDRUN_COMPILE_BACKEND must be one of {COMPILE_BACKENDS}, got {compile_backend!r}")
     sync_check = _env_flag(env, "SPEEDRUN_SYNC_CHECK", False)
+    overlap = _env_flag(env, "SPEEDRUN_OVERLAP", True)
     triton = _env_flag(env, "SPEEDRUN_TRITON", device == "cuda")
     if triton and device == "cpu" and env.get("TRITON_INTERPRET") != "1":
         raise ValueError("SPEEDRUN_TRITON=1 on CPU runs Triton's interpreter: set TRITON_INTERPRET=1 too")
@@ -84,6 +96,9 @@ def detect(env=os.environ, device: str | None = None) -> Backend:
         compile_backend=compile_backend,
         sync_check=sync_check,
         host_checks=_env_flag(env, "SPEEDRUN_HOST_CHECKS", device == "cpu" and not sync_check),
+        pinned_batches=_env_flag(env, "SPEEDRUN_PINNED_BATCHES", overlap),
+        fused_qkv=_env_flag(env, "SPEEDRUN_FUSED_QKV", overlap),
+        sharded_prefix=_env_flag(env, "SPEEDRUN_SHARDED_PREFIX", overlap),
     )
 
 
