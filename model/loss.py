@@ -9,10 +9,13 @@ step's candidate set C. MTP targets are the following rows' next-token targets, 
 document ends. In training the logits come from the fp8 lm_head (perf/fp8.py); validation uses
 bf16 logits and a softcap in bf16, then a plain fp32 cross-entropy averaged over tokens.
 
-The loss sum and its logit gradient are `softcapped_loss_sum` (perf/kernels/cross_entropy.py): the
-fused CE kernel on the fast path, its portable twin elsewhere, both σ and z in fp32 with the exact
-gradient of L (the record's kernel caches σ in fp16 and sums all MTP weights into its softmax term
-even on the last K−1 rows, a quirk on <= 2 rows per rank that ours leaves out).
+With fp8 (the record), `fp8_lm_head_loss` (perf/fp8.py) is the GEMM and the loss in one autograd
+node: e4m3 logits go straight into the softcapped CE, which keeps only them (1 byte per element)
+and lse for the backward and writes the logit gradient in e5m2. Without fp8, the loss sum and its
+logit gradient are `softcapped_loss_sum` on fp32 logits. Both CEs (perf/kernels/cross_entropy.py:
+the fused kernels on the fast path, their portable twins elsewhere) compute σ and z in fp32 with the
+exact gradient of L (the record's kernel caches σ in fp16 and sums all MTP weights into its softmax
+term even on the last K−1 rows, a quirk on <= 2 rows per rank that ours leaves out).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from torch import Tensor, nn
 
 from model.canonical_mask import apply_canonical_mask
 from perf.backend import host_checks
-from perf.fp8 import fp8_lm_head
+from perf.fp8 import fp8_lm_head_loss
 from perf.kernels.cross_entropy import SOFTCAP_A, SOFTCAP_B, SOFTCAP_C, softcapped_loss_sum  # noqa: F401
 
 LM_HEAD_INIT_STD = 0.005  # record #360
@@ -65,12 +68,10 @@ def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, pr
             raise ValueError("training_loss: every target must be in the candidate set")
         if prefix_targets is not None:
             prefix_targets = position[torch.where(prefix_targets >= 0, prefix_targets, V)]
-    if fp8:
-        logits = fp8_lm_head(x, lm_head_w, candidates)
-    else:
-        w = lm_head_w if candidates is None else lm_head_w[:, candidates]
-        logits = (x @ w).float()
-    return softcapped_loss_sum(logits, targets, mtp_weights, prefix_targets, prefix_weight)
+    if fp8:  # e4m3 logits straight into the CE, one autograd node (perf/fp8.py)
+        return fp8_lm_head_loss(x, lm_head_w, targets, mtp_weights, prefix_targets, prefix_weight, candidates)
+    w = lm_head_w if candidates is None else lm_head_w[:, candidates]
+    return softcapped_loss_sum((x @ w).float(), targets, mtp_weights, prefix_targets, prefix_weight)
 
 
 def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, inputs: Tensor | None = None,

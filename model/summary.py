@@ -101,7 +101,8 @@ def format_summary(cfg: ModelConfig, model: GPT, world_size: int = 8) -> str:
 # The path the meta forward runs: plain PyTorch (the fp8 GEMMs through torch._scaled_mm, the
 # portable cross-entropy), the attention replaced by `flash_attention_standin` unless asked for SDPA.
 # The fast path's Triton kernels save other tensors (the fp8 MLP kernel: a copy of post8ᵀ where the
-# portable twin keeps a view; the fused CE: its fp32 [T, N] gradient instead of σ, the same size).
+# portable twin keeps a view). Both CEs save the same (the e4m3 logits and lse); the portable twin's
+# fp32 temporaries come one slab of CE_SLAB_ROWS rows at a time, where the kernel has none.
 PORTABLE_BACKEND = dict(triton=False, attention="sdpa", fp8=True, compile=False, host_checks=False)
 
 
@@ -472,8 +473,8 @@ def format_memory(report: MemoryReport, top: int = 6) -> str:
               "backward on meta at the per-rank shapes, portable path",
               "(fp8 GEMMs through torch._scaled_mm, the portable CE, eager: no compiled-graph fusion), attention "
               "counted as a flash kernel keeps it (q, k, v, out, fp32 lse);",
-              "the fast path's Triton kernels save other things (the fused CE its fp32 [T, N] gradient instead "
-              "of σ; the fp8 MLP a copy of post8ᵀ, a view here):",
+              "the fast path's Triton kernels save other things (the fp8 MLP a copy of post8ᵀ, a view here); "
+              "the CE's fp32 slabs are the portable twin's (the kernel streams):",
               f"  {'first step':>10} {'steps':>5} {'tokens':>7} {'P':>6} {'MTP':>3} {'prefix':>6} {'windows':>8} "
               f"{'inputs':>7} {'n-gram≤':>8} {'saved':>7} {'fwd pk':>7} {'bwd pk':>7} {'step':>7}"]
     for s in report.steps:

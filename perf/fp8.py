@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from perf.kernels.cross_entropy import CE_SLAB_ROWS, loss_weights, softcapped_ce_e4m3, softcapped_ce_grad_e5m2
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -68,35 +70,54 @@ def quantize_lm_head(w: Tensor) -> Tensor:
     return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
-class Fp8LMHeadFunction(torch.autograd.Function):
-    """Logits x·W[:, cols] on the e4m3 grid (fp32 [T, N]); cols None = every column.
+def lm_head_logits_e4m3(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
+    """e4m3 logits [T, N] = saturate(x8·x_s @ w8·w_s) with fast accumulation, one slab of
+    CE_SLAB_ROWS rows at a time so the GEMM's fp32 output stays a bounded temporary (the record's
+    kernel writes e4m3 from its epilogue; `_scaled_mm` has no saturating e4m3 output on every build)."""
+    T, N = x8.shape[0], w8.shape[1]
+    w8 = col_major(w8)  # once, not per slab
+    logits8 = torch.empty((T, N), dtype=E4M3, device=x8.device)
+    for lo in range(0, T, CE_SLAB_ROWS):
+        slab = scaled_mm(x8[lo: lo + CE_SLAB_ROWS], w8, x_s, w_s, torch.float32, True)  # (rows, N) fp32
+        logits8[lo: lo + CE_SLAB_ROWS] = slab.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return logits8
 
-    Forward: e4m3 x and W, fast accumulation, logits rounded to e4m3 (the kernel emits e4m3 logits).
-    Backward (the logit rounding passes the gradient straight through): e5m2 logit gradient with
-    grad_s; dx and dW without fast accumulation; dW is dense [D, V] with zeros outside `cols`.
+
+class Fp8LMHeadLossFunction(torch.autograd.Function):
+    """The summed softcapped training loss of x [T, D] through the fp8 lm_head W[:, cols] (cols None =
+    every column), record #360's full-stack fp8 tail (modules §5.2-5.3) as one autograd node.
+
+    Forward: e4m3 x and W, logits written as e4m3 bytes (1 per element, `lm_head_logits_e4m3`), the
+    CE reads them (perf/kernels/cross_entropy.py). Saved for the backward: x8, W8, the e4m3 logits
+    and lse [T]; nothing wider than a byte at [T, N].
+    Backward (the logit rounding passes the gradient straight through): the CE recomputes σ from the
+    e4m3 logits and writes the logit gradient as e5m2 with grad_s; dx and dW without fast
+    accumulation; dW is dense [D, V] with zeros outside `cols`.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, cols: Tensor | None) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, cols: Tensor | None, targets: Tensor, prefix_targets: Tensor | None,
+                weights: Tensor, num_mtp: int) -> Tensor:
         x_s = _scale(LM_HEAD_X_SCALE, x.device)
         w_s = _scale(LM_HEAD_W_SCALE, x.device)
         x8 = quantize(x, x_s, E4M3)  # (T, D)
         w8 = quantize_lm_head(w)  # (D, V)
         if cols is not None:
             w8 = w8[:, cols]  # (D, P)
-        logits = scaled_mm(x8, w8, x_s, w_s, torch.float32, True)
-        ctx.save_for_backward(x8, w8, cols)
-        ctx.x_dtype, ctx.w_dtype, ctx.w_shape = x.dtype, w.dtype, w.shape
-        # the e4m3 logit bytes, read back through fp16 (exact for e4m3, and faster on CPU)
-        return logits.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).to(torch.float16).float()
+        logits8 = lm_head_logits_e4m3(x8, w8, x_s, w_s)  # (T, N) e4m3
+        total, lse = softcapped_ce_e4m3(logits8, targets, prefix_targets, weights, num_mtp)
+        ctx.save_for_backward(x8, w8, cols, logits8, lse, targets, prefix_targets, weights)
+        ctx.num_mtp, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = num_mtp, x.dtype, w.dtype, w.shape
+        return total
 
     @staticmethod
-    def backward(ctx, g: Tensor):
-        x8, w8, cols = ctx.saved_tensors
-        x_s = _scale(LM_HEAD_X_SCALE, g.device)
-        w_s = _scale(LM_HEAD_W_SCALE, g.device)
-        g_s = _scale(LM_HEAD_GRAD_SCALE, g.device)
-        g8 = quantize(g, g_s, E5M2)  # (T, N)
+    def backward(ctx, grad_out: Tensor):
+        x8, w8, cols, logits8, lse, targets, prefix_targets, weights = ctx.saved_tensors
+        x_s = _scale(LM_HEAD_X_SCALE, grad_out.device)
+        w_s = _scale(LM_HEAD_W_SCALE, grad_out.device)
+        g_s = _scale(LM_HEAD_GRAD_SCALE, grad_out.device)
+        g8 = softcapped_ce_grad_e5m2(logits8, lse, targets, prefix_targets, weights, ctx.num_mtp,
+                                     grad_out, g_s)  # (T, N) e5m2
         dx = scaled_mm(g8, w8.t(), g_s, w_s, ctx.x_dtype, False) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
@@ -104,16 +125,20 @@ class Fp8LMHeadFunction(torch.autograd.Function):
             if cols is None:
                 dw = dw_cols
             else:  # densify: exact zeros outside the candidate columns
-                dw = torch.zeros(ctx.w_shape, dtype=ctx.w_dtype, device=g.device)
+                dw = torch.zeros(ctx.w_shape, dtype=ctx.w_dtype, device=grad_out.device)
                 dw[:, cols] = dw_cols
-        return dx, dw, None
+        return dx, dw, None, None, None, None, None
 
 
-def fp8_lm_head(x: Tensor, w: Tensor, cols: Tensor | None = None) -> Tensor:
-    """Training logits of lm_head w [D, V] for x [T, D] (over `cols` only, if given): fp32 [T, N]."""
+def fp8_lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
+                     prefix_weight, cols: Tensor | None = None) -> Tensor:
+    """Σ_t L_t (0-D fp32, `softcapped_loss_sum`'s loss) of the final normed rows x [T, D] through the
+    fp8 lm_head w [D, V], over the columns `cols` only if given (then targets and prefix_targets are
+    positions in cols)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"fp8_lm_head: x {tuple(x.shape)} and lm_head {tuple(w.shape)} must be [T, D] and [D, V]")
-    return Fp8LMHeadFunction.apply(x, w, cols)
+        raise ValueError(f"fp8_lm_head_loss: x {tuple(x.shape)} and lm_head {tuple(w.shape)} must be [T, D] and [D, V]")
+    weights = loss_weights(mtp_weights, prefix_weight, x.device)  # [w_0..w_{K-1}, w_p]
+    return Fp8LMHeadLossFunction.apply(x, w, cols, targets, prefix_targets, weights, len(mtp_weights))
 
 
 # The packed fp8 QKV projection of record #360 training (modules §2.9): static scales for the input

@@ -9,17 +9,23 @@ running max (the record's fixed-max LSE). The gradient is written in the same la
 with S_t the total weight of the terms present on row t, so the backward is one multiply by the
 incoming scalar gradient.
 
-Public function (dispatched on `perf.backend.current().triton`; model/loss.py calls it):
+Public functions (dispatched on `perf.backend.current().triton`):
     softcapped_loss_sum(logits, targets, mtp_weights, prefix_targets, prefix_weight) -> 0-D fp32 Σ_t L_t
-The portable twin `softcapped_loss_sum_portable` defines the math; `softcapped_loss_sum_triton` is
-the kernel. Both take fp32 or bf16 logits; the fp8 lm_head GEMM in front stays torch._scaled_mm
-(perf/fp8.py).
+        fp32/bf16 logits with autograd (the non-fp8 training path; model/loss.py): the forward
+        writes the gradient, the backward scales it.
+    softcapped_ce_e4m3(logits8, targets, prefix_targets, weights, num_mtp) -> (Σ_t L_t, lse [T])
+    softcapped_ce_grad_e5m2(logits8, lse, targets, prefix_targets, weights, num_mtp, grad_out, grad_scale)
+        -> e5m2 [T, N] of ∂(grad_out·Σ L)/∂ℓ / grad_scale
+        The fp8 training path (perf/fp8.py `fp8_lm_head_loss`, record #360's full-stack fp8): the
+        lm_head GEMM writes e4m3 logits (1 byte per element), the forward reads them and keeps only
+        them and lse [T]; the backward recomputes σ from them and writes the gradient straight in
+        e5m2, the operand of the lm_head's gradient GEMMs. Nothing fp32 at [T, N] outlives a launch.
+The portable twins (`*_portable`) define the math; the `*_triton` functions are the kernels.
 
-Differences from the record's CUDA kernel, on purpose: σ is kept in fp32 (the record caches it in
-fp16), logits come in as fp32/bf16 (the record reads e4m3 bytes; ours are already on the e4m3 grid),
-the gradient is stored in the logits' dtype (the lm_head backward quantizes it to e5m2), and S_t
-counts only the MTP terms present on the last K−1 rows (the record sums every w_k there, a quirk on
-<= 2 rows per rank). So the kernel is the gradient of exactly the loss it returns, like the twin.
+Differences from the record's CUDA kernel, on purpose: σ is recomputed from the e4m3 logits in the
+backward (the record caches it in fp16: 2 bytes per element we do not keep), and S_t counts only the
+MTP terms present on the last K−1 rows (the record sums every w_k there, a quirk on <= 2 rows per
+rank). So the kernel is the gradient of exactly the loss it returns, like the twin.
 
 Run the parity tests: pytest tests/kernels/test_kernels_cross_entropy.py -q (CPU, Triton interpreter).
 """
@@ -35,15 +41,22 @@ from perf.backend import current
 SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5  # record #360: z = 23·σ((ℓ + 5)/7.5)
 
 
-def _check_inputs(logits: Tensor, targets: Tensor, prefix_targets: Tensor | None) -> None:
-    if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"softcapped_loss_sum: logits must be fp32 or bf16 [T, N], got {logits.dtype} "
-                         f"{tuple(logits.shape)}")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+E5M2_MAX = torch.finfo(E5M2).max  # 57344
+CE_SLAB_ROWS = 8192  # ours: rows per slab of the portable twins' fp32 [rows, N] temporaries (and the
+#                      fp8 lm_head GEMM's fp32 output): 8192 × 50304 × 4 B = 1.6 GB at full vocabulary
+
+
+def _check_inputs(logits: Tensor, targets: Tensor, prefix_targets: Tensor | None,
+                  dtypes=(torch.float32, torch.bfloat16), name: str = "softcapped_loss_sum") -> None:
+    if logits.dim() != 2 or logits.dtype not in dtypes:
+        allowed = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name}: logits must be {allowed} [T, N], got {logits.dtype} {tuple(logits.shape)}")
     T = logits.shape[0]
     if targets.shape != (T,):
-        raise ValueError(f"softcapped_loss_sum: targets must be [T] = [{T}], got {tuple(targets.shape)}")
+        raise ValueError(f"{name}: targets must be [T] = [{T}], got {tuple(targets.shape)}")
     if prefix_targets is not None and prefix_targets.shape != (T,):
-        raise ValueError(f"softcapped_loss_sum: prefix_targets must be [T] = [{T}], got {tuple(prefix_targets.shape)}")
+        raise ValueError(f"{name}: prefix_targets must be [T] = [{T}], got {tuple(prefix_targets.shape)}")
 
 
 def _as_weight(w, device) -> Tensor:
@@ -51,6 +64,14 @@ def _as_weight(w, device) -> Tensor:
     if isinstance(w, Tensor):
         return w.to(device=device, dtype=torch.float32).reshape(())
     return torch.full((), float(w), dtype=torch.float32, device=device)  # a fill: no host copy
+
+
+def loss_weights(mtp_weights, prefix_weight, device) -> Tensor:
+    """[w_0, .., w_{K-1}, w_p] as one fp32 [K + 1] tensor (w_p = 0 without a prefix term)."""
+    if len(mtp_weights) == 0:
+        raise ValueError("softcapped_loss_sum: mtp_weights needs at least the next-token weight")
+    prefix_weight = 0.0 if prefix_weight is None else prefix_weight
+    return torch.stack([_as_weight(w, device) for w in (*mtp_weights, prefix_weight)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,25 +124,138 @@ def softcapped_loss_sum_portable(logits: Tensor, targets: Tensor, mtp_weights, p
     return _SoftcappedLoss.apply(logits, picks, weights)
 
 
+def _terms(T: int, N: int, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor, num_mtp: int):
+    """The loss terms by kind, each (classes, weights) over rows [0, n): MTP k covers rows [0, T − k)
+    with classes targets[k:]; the prefix covers [0, T). A class outside [0, N) keeps its slot with
+    weight 0 and class 0 standing in (fixed sizes, no host sync)."""
+    kinds = [(targets[k:], weights[k]) for k in range(num_mtp)]
+    if prefix_targets is not None:
+        kinds.append((prefix_targets, weights[num_mtp]))
+    out = []
+    for classes, w in kinds:
+        valid = (classes >= 0) & (classes < N)
+        out.append((torch.where(valid, classes, 0), torch.where(valid, w, 0.0)))
+    return out
+
+
+def _softcap_sigma(logits: Tensor) -> Tensor:
+    """σ((ℓ + 5)/7.5) in fp32 of any-dtype logits (e4m3 bytes decode exactly)."""
+    return logits.float().add_(SOFTCAP_B).div_(SOFTCAP_C).sigmoid_()
+
+
+def softcapped_ce_e4m3_portable(logits8: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
+                                num_mtp: int) -> tuple[Tensor, Tensor]:
+    """Σ_t L_t (0-D fp32) and lse (fp32 [T]) of e4m3 logits [T, N]: the forward of the fp8 path.
+
+    σ lives one slab of CE_SLAB_ROWS rows at a time; the picked z are recomputed from the picked bytes."""
+    _check_inputs(logits8, targets, prefix_targets, (E4M3,), "softcapped_ce_e4m3")
+    T, N = logits8.shape
+    lse = torch.empty(T, dtype=torch.float32, device=logits8.device)
+    for lo in range(0, T, CE_SLAB_ROWS):
+        sig = _softcap_sigma(logits8[lo: lo + CE_SLAB_ROWS])  # (rows, N)
+        lse[lo: lo + CE_SLAB_ROWS] = SOFTCAP_A + torch.log(sig.mul_(SOFTCAP_A).sub_(SOFTCAP_A).exp_().sum(dim=-1))
+    total = lse.new_zeros(())
+    for classes, w in _terms(T, N, targets, prefix_targets, weights, num_mtp):
+        n = classes.numel()
+        z = SOFTCAP_A * _softcap_sigma(logits8[torch.arange(n, device=lse.device), classes])  # (n,)
+        total = total + (w * (lse[:n] - z)).sum()
+    return total, lse
+
+
+def softcapped_ce_grad_e5m2_portable(logits8: Tensor, lse: Tensor, targets: Tensor, prefix_targets: Tensor | None,
+                                     weights: Tensor, num_mtp: int, grad_out: Tensor, grad_scale: Tensor) -> Tensor:
+    """e5m2 [T, N] of ∂(grad_out·Σ_t L_t)/∂ℓ / grad_scale (saturated to ±57344), from the e4m3 logits
+    and the forward's lse: ∂L/∂ℓ = (23/7.5)·σ(1 − σ)·(S_t·softmax(z_t) − Σ w·[class = target])."""
+    _check_inputs(logits8, targets, prefix_targets, (E4M3,), "softcapped_ce_grad_e5m2")
+    T, N = logits8.shape
+    terms = _terms(T, N, targets, prefix_targets, weights, num_mtp)
+    row_weight = torch.zeros_like(lse)  # S_t
+    for classes, w in terms:
+        row_weight[: classes.numel()] += w
+    out = torch.empty((T, N), dtype=E5M2, device=logits8.device)
+    for lo in range(0, T, CE_SLAB_ROWS):
+        hi = min(T, lo + CE_SLAB_ROWS)
+        sig = _softcap_sigma(logits8[lo:hi])  # (rows, N)
+        dz = torch.exp(sig * SOFTCAP_A - lse[lo:hi, None]).mul_(row_weight[lo:hi, None])  # S_t·softmax
+        for classes, w in terms:  # − w at each (row, class) pick of the slab
+            n = min(hi, classes.numel()) - lo
+            if n > 0:
+                rows = torch.arange(n, device=dz.device)
+                dz.index_put_((rows, classes[lo: lo + n]), -w[lo: lo + n], accumulate=True)
+        grad = dz.mul_(sig).mul_(1 - sig).mul_(SOFTCAP_A / SOFTCAP_C).mul_(grad_out).div_(grad_scale)
+        out[lo:hi] = grad.clamp_(-E5M2_MAX, E5M2_MAX).to(E5M2)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Triton kernel
 
 
 @triton.jit
+def _mtp_term(targets_ptr, weights_ptr, row, k, T, N):
+    """Row t's k-th MTP term: its class targets[t + k] (−1 past the end) and weight (0 when skipped)."""
+    target = tl.load(targets_ptr + row + k, mask=row + k < T, other=-1)
+    return target, tl.where((target >= 0) & (target < N), tl.load(weights_ptr + k), 0.0)
+
+
+@triton.jit
+def _prefix_term(prefix_ptr, weights_ptr, row, N, NUM_MTP: tl.constexpr):
+    """Row t's prefix term: its class prefix[t] (−1: none) and weight w_p (0 when skipped)."""
+    prefix = tl.load(prefix_ptr + row)
+    return prefix, tl.where((prefix >= 0) & (prefix < N), tl.load(weights_ptr + NUM_MTP), 0.0)
+
+
+@triton.jit
+def _picks_minus(dz, c, targets_ptr, prefix_ptr, weights_ptr, row, T, N,
+                 NUM_MTP: tl.constexpr, HAS_PREFIX: tl.constexpr):
+    """dz − Σ w·[c = class] over the row's terms, in the twin's order (MTP k = 0.., then the prefix)."""
+    for k in tl.static_range(NUM_MTP):
+        target, w = _mtp_term(targets_ptr, weights_ptr, row, k, T, N)
+        dz -= tl.where(c == target, w, 0.0)
+    if HAS_PREFIX:
+        prefix, w = _prefix_term(prefix_ptr, weights_ptr, row, N, NUM_MTP)
+        dz -= tl.where(c == prefix, w, 0.0)
+    return dz
+
+
+@triton.jit
+def _e5m2_bits(v):
+    """Round-to-nearest-even fp32 → e5m2 byte (uint8) for |v| <= 57344 (the caller saturates), bit
+    for bit torch's `.to(torch.float8_e5m2)`. Written in integer ops because the interpreter's own
+    fp8 store loses the rounding carry (1.94 → 1.0), and integer ops round the same on any backend."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # normal (|v| >= 2^-14): drop 21 of fp32's 23 mantissa bits, half to even; a carry rolls into the
+    # exponent; rebias 127 → 15
+    normal = ((mag + 0xFFFFF + ((mag >> 21) & 1)) >> 21) - ((127 - 15) << 2)
+    # subnormal (|v| < 2^-14): the code is RNE(|v|·2^16) = RNE(M·2^(E−134)), M the 24-bit significand
+    m = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(134 - (mag >> 23), 30)  # >= 22 here; past 25 the result is 0 anyway
+    q = m >> shift
+    rem = m - (q << shift)
+    half = 1 << (shift - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    return (tl.where(mag >= 0x38800000, normal, sub) | sign).to(tl.uint8)  # 0x38800000 = 2^-14
+
+
+@triton.jit
 def _softcapped_ce_kernel(
-    logits_ptr, targets_ptr, prefix_ptr, weights_ptr, row_loss_ptr, grad_ptr,
+    logits_ptr, targets_ptr, prefix_ptr, weights_ptr, row_loss_ptr, lse_ptr, grad_ptr,
     T, N, stride_logits, stride_grad,
     A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
     NUM_MTP: tl.constexpr, HAS_PREFIX: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program per row t: L_t into row_loss[t] and, with WRITE_GRAD, ∂L_t/∂ℓ_t into grad[t, :].
+    """One program per row t: L_t into row_loss[t], lse_t into lse[t] and, with WRITE_GRAD,
+    ∂L_t/∂ℓ_t into grad[t, :].
 
     Softcap z = A·σ((ℓ + B)/C) with (A, B, C) = (23, 5, 7.5) passed as constexprs.
-    Portable twin: `softcapped_loss_sum_portable` (row_loss.sum() is its value, grad its gradient for
-    grad_out = 1). weights = [w_0, .., w_{K-1}, w_p] fp32. Two sweeps over the row: Σ exp(z − 23)
-    (fixed max, z < 23), then the gradient; σ is recomputed in the second sweep instead of cached.
-    Logits are upcast to fp32 before any arithmetic (the interpreter's bf16 arithmetic is wrong), so
-    the math is fp32 throughout; only the sum order differs from the twin.
+    Portable twins: `softcapped_loss_sum_portable` (row_loss.sum() is its value, grad its gradient for
+    grad_out = 1) and, for e4m3 logits, `softcapped_ce_e4m3_portable` (value and lse).
+    weights = [w_0, .., w_{K-1}, w_p] fp32. Two sweeps over the row: Σ exp(z − 23) (fixed max,
+    z < 23), then the gradient; σ is recomputed in the second sweep instead of cached. Logits (fp32,
+    bf16 or e4m3) are upcast to fp32 before any arithmetic (the interpreter's bf16 arithmetic is
+    wrong), so the math is fp32 throughout; only the sum order differs from the twin.
     """
     row = tl.program_id(0).to(tl.int64)  # T·N exceeds 2^31 at full vocab beyond ~42k rows
     row_logits = logits_ptr + row * stride_logits
@@ -131,16 +265,12 @@ def _softcapped_ce_kernel(
     pick_weight = 0.0  # S_t
     picked_z = 0.0  # Σ w·z at the picked classes
     for k in tl.static_range(NUM_MTP):
-        target = tl.load(targets_ptr + row + k, mask=row + k < T, other=-1)
-        w = tl.where((target >= 0) & (target < N), tl.load(weights_ptr + k), 0.0)
+        target, w = _mtp_term(targets_ptr, weights_ptr, row, k, T, N)
         target_logit = tl.load(row_logits + target, mask=w != 0.0, other=0.0).to(tl.float32)
         pick_weight += w
         picked_z += w * A * tl.sigmoid((target_logit + B) / C)
-    prefix = -1
-    prefix_weight = 0.0
     if HAS_PREFIX:
-        prefix = tl.load(prefix_ptr + row)
-        prefix_weight = tl.where((prefix >= 0) & (prefix < N), tl.load(weights_ptr + NUM_MTP), 0.0)
+        prefix, prefix_weight = _prefix_term(prefix_ptr, weights_ptr, row, N, NUM_MTP)
         prefix_logit = tl.load(row_logits + prefix, mask=prefix_weight != 0.0, other=0.0).to(tl.float32)
         pick_weight += prefix_weight
         picked_z += prefix_weight * A * tl.sigmoid((prefix_logit + B) / C)
@@ -154,6 +284,7 @@ def _softcapped_ce_kernel(
         acc += tl.where(in_row, tl.exp(z - A), 0.0)
     lse = A + tl.log(tl.sum(acc, axis=0))
     tl.store(row_loss_ptr + row, pick_weight * lse - picked_z)
+    tl.store(lse_ptr + row, lse)
 
     # sweep 2: ∂L/∂ℓ = (23/7.5)·σ(1 − σ)·(S·softmax − Σ w·[class = target])
     if WRITE_GRAD:
@@ -163,14 +294,49 @@ def _softcapped_ce_kernel(
             in_row = c < N
             ell = tl.load(row_logits + c, mask=in_row, other=0.0).to(tl.float32)
             sig = tl.sigmoid((ell + B) / C)
-            dz = pick_weight * tl.exp(A * sig - lse)
-            for k in tl.static_range(NUM_MTP):
-                target = tl.load(targets_ptr + row + k, mask=row + k < T, other=-1)
-                dz -= tl.where(c == target, tl.load(weights_ptr + k), 0.0)
-            if HAS_PREFIX:
-                dz -= tl.where(c == prefix, prefix_weight, 0.0)
+            dz = _picks_minus(pick_weight * tl.exp(A * sig - lse), c, targets_ptr, prefix_ptr, weights_ptr,
+                              row, T, N, NUM_MTP, HAS_PREFIX)
             grad = (A / C) * sig * (1.0 - sig) * dz
             tl.store(row_grad + c, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _softcapped_ce_grad_e5m2_kernel(
+    logits_ptr, targets_ptr, prefix_ptr, weights_ptr, lse_ptr, grad_out_ptr, grad_scale_ptr, out_ptr,
+    T, N, stride_logits, stride_out,
+    A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, E5M2_MAX: tl.constexpr,
+    NUM_MTP: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per row t: the e5m2 bytes of ∂(grad_out·L_t)/∂ℓ_t / grad_scale into out[t, :]
+    (uint8), from the e4m3 logits and the forward's lse[t]: the backward of the fp8 path.
+
+    Portable twin: `softcapped_ce_grad_e5m2_portable`, whose fp32 operation order this follows
+    (S·exp(23σ − lse), minus the picks, ·σ, ·(1 − σ), ·23/7.5, ·grad_out, / grad_scale, saturate).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    row_logits = logits_ptr + row * stride_logits
+    row_out = out_ptr + row * stride_out
+    cols = tl.arange(0, BLOCK_N)
+    pick_weight = 0.0  # S_t
+    for k in tl.static_range(NUM_MTP):
+        _, w = _mtp_term(targets_ptr, weights_ptr, row, k, T, N)
+        pick_weight += w
+    if HAS_PREFIX:
+        _, w = _prefix_term(prefix_ptr, weights_ptr, row, N, NUM_MTP)
+        pick_weight += w
+    lse = tl.load(lse_ptr + row)
+    grad_out = tl.load(grad_out_ptr)
+    grad_scale = tl.load(grad_scale_ptr)
+    for n0 in range(0, N, BLOCK_N):
+        c = n0 + cols
+        in_row = c < N
+        ell = tl.load(row_logits + c, mask=in_row, other=0.0).to(tl.float32)
+        sig = tl.sigmoid((ell + B) / C)
+        dz = _picks_minus(tl.exp(sig * A - lse) * pick_weight, c, targets_ptr, prefix_ptr, weights_ptr,
+                          row, T, N, NUM_MTP, HAS_PREFIX)
+        grad = dz * sig * (1.0 - sig) * (A / C) * grad_out / grad_scale
+        grad = tl.minimum(tl.maximum(grad, -E5M2_MAX), E5M2_MAX)
+        tl.store(row_out + c, _e5m2_bits(grad), mask=in_row)
 
 
 # Launch configurations by name; tests compile every "cuda*" one for SM90 (tests/kernels).
@@ -178,6 +344,27 @@ TILES = {
     "cuda": dict(BLOCK_N=2048, num_warps=8, num_stages=1),  # 50304 and every P are ~25 sweeps of 2048
     "interpreter": dict(BLOCK_N=16, num_warps=1, num_stages=1),  # CPU tests: several ragged blocks per row
 }
+
+
+def _tiles(device: torch.device) -> dict:
+    return TILES["cuda" if device.type == "cuda" else "interpreter"]
+
+
+def _launch_loss(logits: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor, num_mtp: int,
+                 grad: Tensor | None) -> tuple[Tensor, Tensor]:
+    """row_loss [T] and lse [T] (fp32) of logits [T, N]; the gradient into `grad` when given."""
+    T, N = logits.shape
+    row_loss = torch.empty(T, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(T, dtype=torch.float32, device=logits.device)
+    if T > 0:
+        _softcapped_ce_kernel[(T,)](
+            logits, targets, targets if prefix_targets is None else prefix_targets, weights, row_loss, lse,
+            row_loss if grad is None else grad,  # unread when WRITE_GRAD is off
+            T, N, logits.stride(0), 0 if grad is None else grad.stride(0),
+            A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, NUM_MTP=num_mtp, HAS_PREFIX=prefix_targets is not None,
+            WRITE_GRAD=grad is not None, **_tiles(logits.device),
+        )
+    return row_loss, lse
 
 
 class _FusedSoftcappedLoss(torch.autograd.Function):
@@ -189,16 +376,8 @@ class _FusedSoftcappedLoss(torch.autograd.Function):
         T, N = logits.shape
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         write_grad = ctx.needs_input_grad[0]
-        row_loss = torch.empty(T, dtype=torch.float32, device=logits.device)
-        grad = torch.empty_like(logits) if write_grad else row_loss  # unread when WRITE_GRAD is off
-        if T > 0:
-            tiles = TILES["cuda" if logits.device.type == "cuda" else "interpreter"]
-            _softcapped_ce_kernel[(T,)](
-                logits, targets, targets if prefix_targets is None else prefix_targets, weights, row_loss, grad,
-                T, N, logits.stride(0), grad.stride(0),
-                A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, NUM_MTP=num_mtp, HAS_PREFIX=prefix_targets is not None,
-                WRITE_GRAD=write_grad, **tiles,
-            )
+        grad = torch.empty_like(logits) if write_grad else None
+        row_loss, _ = _launch_loss(logits, targets, prefix_targets, weights, num_mtp, grad)
         if write_grad:
             ctx.save_for_backward(grad)
         return row_loss.sum()
@@ -213,17 +392,43 @@ def softcapped_loss_sum_triton(logits: Tensor, targets: Tensor, mtp_weights, pre
                                prefix_weight) -> Tensor:
     """Σ_t L_t for logits [T, N] and targets [T]: `softcapped_loss_sum_portable`'s contract, one kernel."""
     _check_inputs(logits, targets, prefix_targets)
-    if len(mtp_weights) == 0:
-        raise ValueError("softcapped_loss_sum: mtp_weights needs at least the next-token weight")
-    device = logits.device
-    prefix_weight = 0.0 if prefix_weight is None else prefix_weight
-    weights = torch.stack([_as_weight(w, device) for w in (*mtp_weights, prefix_weight)])  # [w_0..w_{K-1}, w_p]
+    weights = loss_weights(mtp_weights, prefix_weight, logits.device)  # [w_0..w_{K-1}, w_p]
     prefix = None if prefix_targets is None else prefix_targets.contiguous()
     return _FusedSoftcappedLoss.apply(logits, targets.contiguous(), prefix, weights, len(mtp_weights))
 
 
+def softcapped_ce_e4m3_triton(logits8: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
+                              num_mtp: int) -> tuple[Tensor, Tensor]:
+    """`softcapped_ce_e4m3_portable`'s contract in one launch."""
+    _check_inputs(logits8, targets, prefix_targets, (E4M3,), "softcapped_ce_e4m3")
+    logits8 = logits8 if logits8.stride(-1) == 1 else logits8.contiguous()
+    prefix = None if prefix_targets is None else prefix_targets.contiguous()
+    row_loss, lse = _launch_loss(logits8, targets.contiguous(), prefix, weights.float().contiguous(), num_mtp, None)
+    return row_loss.sum(), lse
+
+
+def softcapped_ce_grad_e5m2_triton(logits8: Tensor, lse: Tensor, targets: Tensor, prefix_targets: Tensor | None,
+                                   weights: Tensor, num_mtp: int, grad_out: Tensor, grad_scale: Tensor) -> Tensor:
+    """`softcapped_ce_grad_e5m2_portable`'s contract in one launch."""
+    _check_inputs(logits8, targets, prefix_targets, (E4M3,), "softcapped_ce_grad_e5m2")
+    logits8 = logits8 if logits8.stride(-1) == 1 else logits8.contiguous()
+    T, N = logits8.shape
+    out = torch.empty((T, N), dtype=E5M2, device=logits8.device)
+    if T > 0:
+        prefix = targets if prefix_targets is None else prefix_targets.contiguous()
+        f32 = dict(dtype=torch.float32, device=logits8.device)
+        _softcapped_ce_grad_e5m2_kernel[(T,)](
+            logits8, targets.contiguous(), prefix, weights.float().contiguous(), lse,
+            grad_out.to(**f32).reshape(1), grad_scale.to(**f32).reshape(1), out.view(torch.uint8),
+            T, N, logits8.stride(0), out.stride(0),
+            A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, E5M2_MAX=E5M2_MAX, NUM_MTP=num_mtp,
+            HAS_PREFIX=prefix_targets is not None, **_tiles(logits8.device),
+        )
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
-# Public op
+# Public ops
 
 def softcapped_loss_sum(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
                         prefix_weight) -> Tensor:
@@ -235,3 +440,26 @@ def softcapped_loss_sum(logits: Tensor, targets: Tensor, mtp_weights, prefix_tar
     if current().triton:
         return softcapped_loss_sum_triton(logits, targets, mtp_weights, prefix_targets, prefix_weight)
     return softcapped_loss_sum_portable(logits, targets, mtp_weights, prefix_targets, prefix_weight)
+
+
+def softcapped_ce_e4m3(logits8: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
+                       num_mtp: int) -> tuple[Tensor, Tensor]:
+    """Σ_t L_t (0-D fp32) and lse (fp32 [T]) of e4m3 logits [T, N] (no autograd: perf/fp8.py's
+    lm_head loss calls this forward and `softcapped_ce_grad_e5m2` in its backward).
+
+    weights: [w_0, .., w_{K-1}, w_p] fp32 (`loss_weights`); num_mtp = K; targets and prefix_targets
+    as in `softcapped_loss_sum`."""
+    if current().triton:
+        return softcapped_ce_e4m3_triton(logits8, targets, prefix_targets, weights, num_mtp)
+    return softcapped_ce_e4m3_portable(logits8, targets, prefix_targets, weights, num_mtp)
+
+
+def softcapped_ce_grad_e5m2(logits8: Tensor, lse: Tensor, targets: Tensor, prefix_targets: Tensor | None,
+                            weights: Tensor, num_mtp: int, grad_out: Tensor, grad_scale: Tensor) -> Tensor:
+    """e5m2 [T, N]: ∂(grad_out·Σ_t L_t)/∂ℓ / grad_scale, saturated to ±57344 (the lm_head backward's
+    gradient operand), from the e4m3 logits and `softcapped_ce_e4m3`'s lse."""
+    if current().triton:
+        return softcapped_ce_grad_e5m2_triton(logits8, lse, targets, prefix_targets, weights, num_mtp, grad_out,
+                                              grad_scale)
+    return softcapped_ce_grad_e5m2_portable(logits8, lse, targets, prefix_targets, weights, num_mtp, grad_out,
+                                            grad_scale)

@@ -3,6 +3,8 @@ the dispatch, input errors, and ragged GPU shapes at the GPU tile (gpu marker)."
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import model.loss as loss_module
 from perf.backend import use_backend
@@ -128,7 +130,7 @@ def test_dispatch_and_training_loss_on_both_paths(monkeypatch):
 
 def test_bad_inputs_name_the_tensor():
     logits = torch.zeros(4, 8)
-    with pytest.raises(ValueError, match="logits must be fp32 or bf16"):
+    with pytest.raises(ValueError, match="logits must be float32 or bfloat16"):
         ce.softcapped_loss_sum(logits.half(), torch.zeros(4, dtype=torch.long), (1.0,), None, 0.0)
     with pytest.raises(ValueError, match=r"targets must be \[T\] = \[4\]"):
         ce.softcapped_loss_sum_triton(logits, torch.zeros(5, dtype=torch.long), (1.0,), None, 0.0)
@@ -136,6 +138,96 @@ def test_bad_inputs_name_the_tensor():
         ce.softcapped_loss_sum_portable(logits, torch.zeros(4, dtype=torch.long), (1.0,), torch.zeros(3), 0.0)
 
 
+
+
+# ------------------------------------------------------------------------------------------------
+# e4m3 logits in, e5m2 gradient out (the fp8 training path)
+
+GRAD_SCALE = 0.75 / 8 / 448  # record #360's lm_head gradient scale (perf/fp8.py LM_HEAD_GRAD_SCALE)
+
+
+@triton.jit
+def _e5m2_bits_probe(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, ce._e5m2_bits(tl.load(x_ptr + offs, mask=offs < n, other=0.0)), mask=offs < n)
+
+
+def test_e5m2_encoder_is_torchs_cast_bit_for_bit():
+    """The kernel's integer fp32 → e5m2 rounding against torch's cast: every e5m2 value, every
+    midpoint between neighbours (ties to even), signed zeros, fp32 denormals, and 100k random values
+    over 30 octaves."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e5m2).float()
+    grid = torch.sort(grid[torch.isfinite(grid)]).values
+    gen = torch.Generator().manual_seed(0)
+    rand = torch.randn(100_000, generator=gen) * torch.exp2(torch.randint(-26, 4, (100_000,), generator=gen).float())
+    x = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([0.0, -0.0, 1e-40, -1e-40, 2.0 ** -17]),
+                   (rand * 4096).clamp(-57344, 57344)])
+    got = torch.empty(x.numel(), dtype=torch.uint8)
+    _e5m2_bits_probe[(triton.cdiv(x.numel(), 4096),)](x, got, x.numel(), BLOCK=4096)
+    want = x.to(torch.float8_e5m2).view(torch.uint8)
+    assert torch.equal(got, want), x[got != want][:8]
+
+
+def _e4m3_inputs(T, N, seed=0, device="cpu"):
+    logits, targets, prefix = _inputs(T, N, torch.float32, seed, device)
+    return (2 * logits).clamp(-448, 448).to(torch.float8_e4m3fn), targets, prefix
+
+
+def _e5m2_steps(a, b):
+    """How many representable e5m2 values lie between a and b, elementwise (codes of one sign are
+    monotone in the value)."""
+    def ordinal(t):
+        code = t.view(torch.uint8).long()
+        return torch.where(code >= 128, -(code - 128), code)
+    return (ordinal(a) - ordinal(b)).abs()
+
+
+@pytest.mark.parametrize("T,N,mtp,with_prefix,_", CASES)
+def test_e4m3_kernels_match_twin_and_float64_reference(T, N, mtp, with_prefix, _):
+    """Forward (loss, lse) and backward (e5m2 gradient) of e4m3 logits: the kernels against their
+    portable twins and the float64 autograd reference, grad_out = 3 and record #360's grad scale."""
+    logits8, targets, prefix = _e4m3_inputs(T, N)
+    prefix = prefix if with_prefix else None
+    weights = ce.loss_weights(mtp, 0.3 if with_prefix else None, "cpu")
+    want_loss, want_grad = _float64_reference(logits8.float(), targets, mtp, prefix, 0.3)
+    got_loss, got_lse = ce.softcapped_ce_e4m3_triton(logits8, targets, prefix, weights, len(mtp))
+    twin_loss, twin_lse = ce.softcapped_ce_e4m3_portable(logits8, targets, prefix, weights, len(mtp))
+    assert got_loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+    assert got_loss.item() == pytest.approx(twin_loss.item(), rel=1e-6)
+    torch.testing.assert_close(got_lse, twin_lse, rtol=1e-6, atol=0)
+    grad_out, grad_scale = torch.tensor(3.0), torch.tensor(GRAD_SCALE)
+    got = ce.softcapped_ce_grad_e5m2_triton(logits8, got_lse, targets, prefix, weights, len(mtp), grad_out, grad_scale)
+    twin = ce.softcapped_ce_grad_e5m2_portable(logits8, twin_lse, targets, prefix, weights, len(mtp), grad_out,
+                                              grad_scale)
+    assert got.dtype == twin.dtype == torch.float8_e5m2 and got.shape == (T, N)
+    # same fp32 operation order; exp and the sum order may differ by an fp32 ulp, which can move a
+    # value across an e5m2 rounding boundary: at most one step, on few elements
+    steps = _e5m2_steps(got, twin)
+    assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.02
+    exact = (3 * want_grad / GRAD_SCALE).clamp(-57344, 57344)
+    # e5m2 rounds to within half a step: 2^-3 relative above 2^-14, 2^-17 absolute below
+    assert ((got.double() - exact).abs() <= exact.abs() / 8 + 2.0 ** -17 + 1e-9).all()
+
+
+def test_e4m3_ce_rejects_other_logit_dtypes():
+    logits = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match=r"softcapped_ce_e4m3: logits must be float8_e4m3fn \[T, N\]"):
+        ce.softcapped_ce_e4m3(logits, torch.zeros(4, dtype=torch.long), None, ce.loss_weights((1.0,), None, "cpu"), 1)
+
+
+@pytest.mark.gpu
+def test_e4m3_kernels_on_gpu_ragged_rows():
+    """The GPU tile with a partial last block: kernel against twin on the same GPU."""
+    logits8, targets, prefix = _e4m3_inputs(37, 5000, device="cuda")
+    weights = ce.loss_weights((1.0, 0.5, 0.25), 0.3, "cuda")
+    got_loss, got_lse = ce.softcapped_ce_e4m3_triton(logits8, targets, prefix, weights, 3)
+    twin_loss, twin_lse = ce.softcapped_ce_e4m3_portable(logits8, targets, prefix, weights, 3)
+    assert got_loss.item() == pytest.approx(twin_loss.item(), rel=1e-5)
+    scale = (torch.tensor(1.0, device="cuda"), torch.tensor(GRAD_SCALE, device="cuda"))
+    got = ce.softcapped_ce_grad_e5m2_triton(logits8, got_lse, targets, prefix, weights, 3, *scale)
+    twin = ce.softcapped_ce_grad_e5m2_portable(logits8, twin_lse, targets, prefix, weights, 3, *scale)
+    steps = _e5m2_steps(got, twin)
+    assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.02  # GPU exp is approximate
 
 
 @pytest.mark.gpu

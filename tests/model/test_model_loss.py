@@ -6,7 +6,8 @@ import torch
 
 import model.loss as loss_module
 from model.loss import CandidateSampler, softcap, softcapped_loss_sum, training_loss, validation_loss
-from perf.fp8 import LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE, LM_HEAD_X_SCALE, fp8_lm_head
+from perf.backend import use_backend
+from perf.fp8 import LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE, LM_HEAD_X_SCALE, fp8_lm_head_loss, quantize_lm_head
 
 
 def _loop_loss(logits, targets, mtp, prefix, pw):
@@ -64,26 +65,83 @@ def test_validation_loss_is_mean_softcapped_ce(monkeypatch):
     assert validation_loss(x, w, targets).item() == pytest.approx(want, rel=1e-5)
 
 
-def test_fp8_lm_head_matches_dequantized_reference():
-    gen = torch.Generator().manual_seed(3)
-    T, D, V = 16, 32, 64
-    x = torch.randn(T, D, generator=gen).bfloat16().requires_grad_()
-    w = (0.3 * torch.randn(D, V, generator=gen)).bfloat16().requires_grad_()
-    cols = torch.tensor([2, 3, 17, 40, 63])
-    logits = fp8_lm_head(x, w, cols)
+def _fp8_lm_head_loss_reference(x, w, cols, targets, mtp, prefix, pw):
+    """The fp8 lm_head loss in float64 from dequantized operands: e4m3 x and W, logits rounded to
+    e4m3, the softcapped loss term by term; its logit gradient goes through the e5m2 grid (grad_s)
+    into dx = g·Wᵀ and dW = xᵀ·g, as the record's backward does."""
     x_deq = (x.detach().float() / LM_HEAD_X_SCALE).to(torch.float8_e4m3fn).double() * LM_HEAD_X_SCALE
     w_deq = (w.detach().float() / LM_HEAD_W_SCALE).bfloat16().float().to(torch.float8_e4m3fn).double() * LM_HEAD_W_SCALE
-    exact = (x_deq @ w_deq[:, cols]).float()
-    torch.testing.assert_close(logits, exact.to(torch.float8_e4m3fn).float(), rtol=0, atol=0.5)
-    assert torch.equal(logits, logits.to(torch.float8_e4m3fn).float())  # on the e4m3 grid
-    g = torch.randn(T, len(cols), generator=gen) * 0.01
-    logits.backward(g)
-    g_deq = (g / LM_HEAD_GRAD_SCALE).to(torch.float8_e5m2).double() * LM_HEAD_GRAD_SCALE
-    torch.testing.assert_close(x.grad.double(), g_deq @ w_deq[:, cols].t(), rtol=2e-2, atol=1e-3)
-    dw = torch.zeros(D, V, dtype=torch.float64)
-    dw[:, cols] = x_deq.t() @ g_deq
-    torch.testing.assert_close(w.grad.double(), dw, rtol=2e-2, atol=1e-3)
-    assert w.grad[:, [0, 1, 4]].abs().sum() == 0  # exact zeros outside the candidates
+    w_cols = w_deq if cols is None else w_deq[:, cols]
+    logits = (x_deq @ w_cols).clamp(-448, 448).to(torch.float8_e4m3fn).double().requires_grad_()
+    z = 23 * torch.sigmoid((logits + 5) / 7.5)
+    lse = torch.logsumexp(z, -1)
+    T, N = logits.shape
+    total = logits.new_zeros(())
+    for k, wk in enumerate(mtp):
+        for t in range(T - k):
+            if 0 <= targets[t + k] < N:
+                total = total + wk * (lse[t] - z[t, targets[t + k]])
+    for t in range(T):
+        if prefix is not None and 0 <= prefix[t] < N:
+            total = total + pw * (lse[t] - z[t, prefix[t]])
+    total.backward()
+    g = (logits.grad / LM_HEAD_GRAD_SCALE).clamp(-57344, 57344).to(torch.float8_e5m2).double() * LM_HEAD_GRAD_SCALE
+    dw = torch.zeros_like(w_deq)
+    if cols is None:
+        dw = x_deq.t() @ g
+    else:
+        dw[:, cols] = x_deq.t() @ g
+    return total.detach(), g @ w_cols.t(), dw
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["portable", "triton"])
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "full"])
+def test_fp8_lm_head_loss_matches_float64_reference(triton, sampled):
+    """e4m3 logits straight into the CE, on both paths, against the float64 reference of the same
+    recipe: the loss to fp32 precision, dx and dW to the e5m2 gradient's precision."""
+    gen = torch.Generator().manual_seed(3)
+    T, D, V = 16, 32, 64
+    x = (2 * torch.randn(T, D, generator=gen)).bfloat16().requires_grad_()
+    w = (0.5 * torch.randn(D, V, generator=gen)).bfloat16().requires_grad_()
+    cols = torch.tensor([2, 3, 5, 8, 13, 17, 21, 34, 40, 55, 63]) if sampled else None
+    N = V if cols is None else cols.numel()
+    targets = torch.randint(0, N, (T,), generator=gen)
+    targets[4] = -100  # skipped
+    prefix = torch.randint(-1, N, (T,), generator=gen)
+    mtp = (1.0, 0.5, 0.25)
+    with use_backend(triton=triton):
+        loss = fp8_lm_head_loss(x, w, targets, mtp, prefix, 0.3, cols)
+        loss.backward(torch.tensor(2.0))  # grad_out rides into the e5m2 scale
+    want_loss, want_dx, want_dw = _fp8_lm_head_loss_reference(x, w, cols, targets.tolist(), mtp, prefix.tolist(), 0.3)
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+    # e5m2 keeps 2 mantissa bits: one element rounded the other way moves a sum by <= 1/8 of its term
+    torch.testing.assert_close(x.grad.double(), 2 * want_dx, rtol=5e-2, atol=2e-3)
+    torch.testing.assert_close(w.grad.double(), 2 * want_dw, rtol=5e-2, atol=2e-3)
+    if cols is not None:
+        outside = torch.ones(V, dtype=torch.bool)
+        outside[cols] = False
+        assert w.grad[:, outside].abs().sum() == 0  # exact zeros outside the candidates
+
+
+def test_fp8_lm_head_loss_is_the_ce_of_its_e4m3_logits():
+    """The fused node's loss is softcapped_loss_sum of the logits it rounds to e4m3 (computed here
+    through the same _scaled_mm), and it saves nothing wider than a byte at [T, N]."""
+    gen = torch.Generator().manual_seed(5)
+    T, D, V = 12, 16, 40
+    x = torch.randn(T, D, generator=gen).bfloat16().requires_grad_()
+    w = (0.4 * torch.randn(D, V, generator=gen)).bfloat16().requires_grad_()
+    targets = torch.randint(0, V, (T,), generator=gen)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = fp8_lm_head_loss(x, w, targets, (1.0, 0.5), None, None)
+    x8 = (x.detach().float() / LM_HEAD_X_SCALE).to(torch.float8_e4m3fn)
+    w8 = quantize_lm_head(w.detach())
+    logits = torch._scaled_mm(x8, w8.t().contiguous().t(), scale_a=torch.tensor(LM_HEAD_X_SCALE),
+                              scale_b=torch.tensor(LM_HEAD_W_SCALE), out_dtype=torch.float32, use_fast_accum=True)
+    want = softcapped_loss_sum(logits.clamp(-448, 448).to(torch.float8_e4m3fn).float(), targets, (1.0, 0.5), None, None)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    wide = [t for t in saved if t.dim() == 2 and t.shape == (T, V)]
+    assert [t.dtype for t in wide] == [torch.float8_e4m3fn]
 
 
 def test_candidate_sampler_follows_the_sweep():
