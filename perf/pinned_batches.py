@@ -1,0 +1,166 @@
+"""Batches to the device through a ring of pinned host slots and a side-stream copy (SPEEDRUN_PINNED_BATCHES).
+
+What it replaces: `host_batch.to(device, non_blocking=True)`. From pageable memory (the validation
+batches) that copy is staged through a driver buffer and returns only when the host side is done;
+from a freshly pinned tensor (the training loader's pin_memory) each batch pays a page-locked
+allocation; and either way the copy queues on the compute stream, behind every kernel the host has
+already launched, so the copy engine idles while the batch waits its turn.
+
+What it does: the batch's tensors are copied (a host memcpy) into the next of R slots of reusable
+host buffers, pinned on CUDA; a side stream copies the slot into fresh device tensors and records the
+slot's event; the compute stream waits on that event, so the step reads the batch only once it has
+landed, and the copy itself overlaps whatever the compute stream is running. On CPU the same code
+runs with plain host buffers, a null stream and events that are always complete.
+
+Invariant: a slot is rewritten only after the event recorded behind its last host→device copy has
+completed (a DMA reads pinned memory asynchronously, so a host that runs ahead would otherwise
+overwrite a batch still being copied: the race of a single reused pinned buffer). The device tensors
+are fresh allocations, handed to the compute stream with record_stream, so no reader of a batch ever
+sees a slot reused.
+
+Depth R = 3 (RING_SLOTS): record #360 keeps 40 slots and copies on the compute stream, where a
+slot's copy retires only when the GPU reaches it, so a ring there must be deeper than the host's lead
+over the device. Here the side stream waits on nothing, so a slot's copy retires one DMA after its
+upload (tens of µs for a training batch of 49,152 tokens, 1.4 MB), however far the host runs ahead.
+Two slots are the minimum for overlap (fill one while the other's DMA is in flight); the third
+absorbs uploads issued back to back (gradient accumulation puts several per step on fewer GPUs).
+Each slot holds the largest batch, a validation batch of 262,144 tokens per rank at the record's
+8 ranks (7.3 MB), so the ring pins ~22 MB. `waits` counts the uploads that found their slot in flight.
+
+Buffers grow to the largest batch seen, all slots at once (the batch size changes between schedule
+stages): the untimed warmup visits every geometry, so the timed loop allocates no pinned memory.
+
+    ring = PinnedBatchRing(device)
+    batch = ring.to_device(host_batch)   # same type as host_batch.to(device, non_blocking=True)
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import fields, is_dataclass, replace
+
+import torch
+from torch import Tensor
+
+RING_SLOTS = 3  # ours (module docstring); record #360's ring has 40 slots, copied on the compute stream
+
+
+class NullStream:
+    """The CPU's stand-in for a CUDA stream: every copy is synchronous, so there is nothing to order."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+class CompletedEvent:
+    """The CPU's stand-in for a CUDA event: a copy has finished when copy_ returns."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Slot:
+    def __init__(self, event):
+        self.buffers: dict[str, Tensor] = {}  # field name → flat host buffer (pinned on CUDA)
+        self.event = event  # recorded on the copy stream after this slot's last host→device copies
+
+
+class PinnedBatchRing:
+    """A ring of `slots` host staging slots for batches (dataclasses of tensors and plain values,
+    data.loader.Batch) on their way to `device`.
+
+    event_factory: makes each slot's event (default torch.cuda.Event on CUDA, CompletedEvent on CPU);
+    tests pass events whose completion they control. stream: the copy stream (default a new CUDA
+    stream on CUDA, NullStream on CPU)."""
+
+    def __init__(self, device: torch.device | str, slots: int = RING_SLOTS, *, event_factory=None, stream=None):
+        self.device = torch.device(device)
+        if slots < 1:
+            raise ValueError(f"PinnedBatchRing needs at least one slot, got {slots}")
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self.stream = torch.cuda.Stream(self.device) if stream is None else stream
+            event_factory = event_factory or torch.cuda.Event
+        else:
+            self.stream = NullStream() if stream is None else stream
+            event_factory = event_factory or CompletedEvent
+        self.slots = [_Slot(event_factory()) for _ in range(slots)]
+        self.next_slot = 0
+        self.capacity: dict[str, tuple[int, torch.dtype]] = {}  # field → (elements, dtype) of every slot
+        self.waits = 0  # uploads that found their slot's previous copy still in flight
+        self.staged = None  # the host slot views of the last upload (tests and benchmarks read them)
+
+    def _wait(self, index: int) -> None:
+        """Block until slot `index`'s last host→device copy has completed."""
+        event = self.slots[index].event
+        if event.query():
+            return
+        self.waits += 1
+        event.synchronize()
+        if not event.query():  # a real CUDA event is complete after synchronize; anything else is a bug
+            raise RuntimeError(f"pinned batch ring: slot {index}'s previous host→device copy is still in flight "
+                               f"after waiting on its event; refusing to overwrite the slot")
+
+    def _host_buffer(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=self.cuda)
+
+    def _grow(self, tensors: dict[str, Tensor]) -> None:
+        """Give every slot buffers that hold `tensors` (all slots at once: an allocation of pinned
+        memory in the timed loop would stall it)."""
+        grown = {}
+        for name, t in tensors.items():
+            numel, dtype = self.capacity.get(name, (0, t.dtype))
+            if dtype != t.dtype or numel < t.numel():
+                grown[name] = (max(t.numel(), numel if dtype == t.dtype else 0), t.dtype)
+        if not grown:
+            return
+        for index, slot in enumerate(self.slots):
+            self._wait(index)  # the old buffer may still be the source of a copy
+            for name, (numel, dtype) in grown.items():
+                slot.buffers[name] = self._host_buffer(numel, dtype)
+        self.capacity.update(grown)
+
+    def _copy_stream(self):
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    def to_device(self, host_batch):
+        """`host_batch` on the device, through the next slot: the same type and values as
+        host_batch.to(device, non_blocking=True), ordered before anything the current stream runs next."""
+        if not is_dataclass(host_batch):
+            raise TypeError(f"PinnedBatchRing.to_device takes a dataclass of tensors (data.loader.Batch), "
+                            f"got {type(host_batch).__name__}")
+        tensors = {f.name: getattr(host_batch, f.name) for f in fields(host_batch)
+                   if isinstance(getattr(host_batch, f.name), Tensor)}
+        for name, t in tensors.items():
+            if t.device.type != "cpu":
+                raise ValueError(f"PinnedBatchRing.to_device: field {name} is on {t.device}, expected a host tensor")
+        index = self.next_slot
+        self.next_slot = (index + 1) % len(self.slots)
+        self._grow(tensors)
+        self._wait(index)
+        slot = self.slots[index]
+        staged = {}
+        for name, t in tensors.items():
+            view = slot.buffers[name][:t.numel()].view(t.shape)
+            view.copy_(t)  # host memcpy; the slot's previous copy has retired (waited above)
+            staged[name] = view
+        self.staged = replace(host_batch, **staged)
+        compute = torch.cuda.current_stream(self.device) if self.cuda else self.stream
+        moved = {}
+        with self._copy_stream():
+            for name, view in staged.items():
+                # a fresh device tensor, not a device slot: a step still reading the batch R uploads
+                # later is never overwritten (on CPU, .to(cpu) would return the slot itself)
+                moved[name] = torch.empty(view.shape, dtype=view.dtype, device=self.device)
+                moved[name].copy_(view, non_blocking=True)
+            slot.event.record(self.stream)
+        compute.wait_event(slot.event)
+        if self.cuda:
+            for t in moved.values():  # allocated on the copy stream, read on the compute stream
+                t.record_stream(compute)
+        return replace(host_batch, **moved)
