@@ -7,8 +7,11 @@ layer's widths (nn.Linear layout) and passes them in with an `AttnArgs`:
 Shapes in comments: T tokens of the rank's packed batch, H heads, D model width.
 
 The QKV projection is one GEMM over [W_qk; W_v]: in training the packed fp8 projection of
-perf/fp8.py (sa0 folded into its dequant scale), in validation bf16 with sa0 on the weight. The O
-weight (bf16 in both) carries sa1 and, when given, the layer's attention post-λ (`o_gain`):
+perf/fp8.py (sa0 folded into its dequant scale), in validation bf16 with sa0 on the weight. With
+`perf.backend.current().fused_qkv` (SPEEDRUN_FUSED_QKV, default on) training runs the same math as
+perf/kernels/qkv_rope.py `fp8_qkv_rope`: the input quantize, the GEMM, the QK-norm and rotary in
+fewer launches (bitwise this path's on the portable backend).
+The O weight (bf16 in both) carries sa1 and, when given, the layer's attention post-λ (`o_gain`):
 out = y·bf16(sa1·o_gain·W_O)ᵀ, one rounding of the product, so p's gradient is a reduction over the
 weight instead of over the [T, D] output (record #360 §4.2).
 """
@@ -21,7 +24,9 @@ from torch import Tensor
 
 from model.rotary import Yarn, rotate
 from perf.attention_backends import varlen_attention
+from perf.backend import current
 from perf.fp8 import fp8_qkv
+from perf.kernels.qkv_rope import fp8_qkv_rope
 from perf.residual_fusion import RMS_NORM_EPS
 
 XSA_EPS = 1e-8  # record #360: floor of ‖v‖² in the XSA projection
@@ -85,14 +90,19 @@ class CausalSelfAttention(torch.nn.Module):
         if args.key_offset and dq <= args.yarn.rotary_dim:
             raise ValueError("attention: the key offset needs stationary dims (d_qk > rotary_dim)")
         sa0, sa1 = args.sa_lambdas[0], args.sa_lambdas[1]
-        if args.fp8:
-            qkv = fp8_qkv(x, qk_w, v_w, sa0)  # (T, (2·dq + dv)·H)
+        if args.fp8 and current().fused_qkv:  # the same math in fewer launches (SPEEDRUN_FUSED_QKV)
+            factor1, factor2 = args.yarn.tables(T)
+            q, k, v = fp8_qkv_rope(x, qk_w, v_w, sa0, factor1, factor2, H, args.yarn.rotary_dim, self.paired,
+                                   args.key_offset)  # (T, H, dq), (T, H, dq), (T, H, dv)
         else:
-            qkv = x @ scaled_weight(sa0, torch.cat([qk_w, v_w])).t()
-        qk, v = qkv.split([2 * H * dq, H * dv], dim=-1)
-        q, k = normed_rotary_qk(qk.view(T, 2 * H, dq), args.yarn, self.paired, args.key_offset)
-        q, k = q.to(x.dtype), k.to(x.dtype)
-        v = v.view(T, H, dv)
+            if args.fp8:
+                qkv = fp8_qkv(x, qk_w, v_w, sa0)  # (T, (2·dq + dv)·H)
+            else:
+                qkv = x @ scaled_weight(sa0, torch.cat([qk_w, v_w])).t()
+            qk, v = qkv.split([2 * H * dq, H * dv], dim=-1)
+            q, k = normed_rotary_qk(qk.view(T, 2 * H, dq), args.yarn, self.paired, args.key_offset)
+            q, k = q.to(x.dtype), k.to(x.dtype)
+            v = v.view(T, H, dv)
         if args.aux_v is not None:
             v = v + args.aux_v.view(T, H, self.head_dim)[..., :dv]
         y = varlen_attention(q, k, v, args.cu_seqlens, args.window, args.yarn.attn_scale,

@@ -317,6 +317,48 @@ def check_cross_entropy(ctx: Context) -> list[Result]:
                           lambda: loss_and_grad(ce.softcapped_loss_sum_portable))
         row.note = f"loss rel {loss_rel:.2g} (tol 1e-5), grad abs {grad_abs:.2g} (tol 2e-6)"
         results.append(row)
+    results += _check_cross_entropy_e4m3(ctx, rows, cases)
+    return results
+
+
+def _e5m2_ordinal(t: torch.Tensor) -> torch.Tensor:
+    """e5m2 bytes as signed positions on the number line (sign-magnitude codes: one sign is monotone)."""
+    code = t.view(torch.uint8).int()
+    return torch.where(code >= 128, 128 - code, code)
+
+
+def _check_cross_entropy_e4m3(ctx: Context, rows: int, cases) -> list[Result]:
+    """The fp8 path's CE: e4m3 logits in (forward: loss and lse), e5m2 gradient out (backward), the
+    kernels against their twins; forward and backward timed together."""
+    from perf.kernels import cross_entropy as ce
+
+    gen = torch.Generator(device=ctx.device).manual_seed(1)
+    results = []
+    for name, width, mtp, with_prefix in cases:
+        logits8 = (3 * torch.randn((rows, width), device=ctx.device, generator=gen)).to(torch.float8_e4m3fn)
+        targets = torch.randint(0, width, (rows,), device=ctx.device, generator=gen)
+        prefix = torch.randint(-1, width, (rows,), device=ctx.device, generator=gen) if with_prefix else None
+        weights = ce.loss_weights(mtp, 0.3 if with_prefix else None, ctx.device)
+        grad_out = torch.ones((), device=ctx.device)
+        grad_scale = torch.full((), 0.75 / 8 / 448, device=ctx.device)  # record #360's lm_head grad scale
+
+        def fwd_bwd(forward, backward):
+            loss, lse = forward(logits8, targets, prefix, weights, len(mtp))
+            return loss, backward(logits8, lse, targets, prefix, weights, len(mtp), grad_out, grad_scale)
+
+        kernel = lambda: fwd_bwd(ce.softcapped_ce_e4m3_triton, ce.softcapped_ce_grad_e5m2_triton)  # noqa: E731
+        twin = lambda: fwd_bwd(ce.softcapped_ce_e4m3_portable, ce.softcapped_ce_grad_e5m2_portable)  # noqa: E731
+        (got_loss, got_g8), (want_loss, want_g8) = kernel(), twin()
+        loss_rel = abs(float(got_loss) - float(want_loss)) / max(abs(float(want_loss)), 1e-30)
+        # same fp32 operation order; the GPU's approximate exp can move a value across an e5m2
+        # rounding boundary: at most one representable step, on a small share of the elements
+        steps = (_e5m2_ordinal(got_g8) - _e5m2_ordinal(want_g8)).abs()
+        moved = float((steps > 0).float().mean())
+        error = max(loss_rel / 1e-5, float(steps.max()), moved / 0.02)
+        case = f"e4m3 {name} ({rows},{width}) K={len(mtp)}{' +prefix' if with_prefix else ''} fwd+bwd"
+        row = ctx.compare("cross_entropy", case, error, 1.0, "x tol", kernel, twin)
+        row.note = f"loss rel {loss_rel:.2g} (tol 1e-5), e5m2 steps max {int(steps.max())} (tol 1), moved {moved:.2%} (tol 2%)"
+        results.append(row)
     return results
 
 
@@ -460,6 +502,79 @@ def check_mlp(ctx: Context) -> list[Result]:
     ]
 
 
+def _qkv_case(ctx: Context, T: int, D: int, H: int, dq: int, dv: int, paired: bool, key_offset: bool,
+              rotary_dim: int) -> dict[str, Callable]:
+    """One attention layer's training QKV, fused (perf/kernels/qkv_rope.py, its Triton kernels) and
+    unfused (perf/fp8.py fp8_qkv, then model/attention.py normed_rotary_qk, eager autograd), each as
+    a closure running forward + backward on the same inputs and returning q, k, v and every gradient."""
+    from model.attention import normed_rotary_qk
+    from model.rotary import Yarn
+    from perf.backend import use_backend
+    from perf.fp8 import fp8_qkv
+    from perf.kernels.qkv_rope import fp8_qkv_rope
+
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    x = torch.randn((T, D), device=ctx.device, generator=gen)
+    x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))).bfloat16()  # the normed attention input
+    bound = 3**0.5 * 0.5 * D**-0.5  # record #360 §1.2: the banks' uniform init bound
+    w_qk, w_v = (((torch.rand((rows, D), device=ctx.device, generator=gen) * 2 - 1) * bound).bfloat16()
+                 for rows in (2 * H * dq, H * dv))
+    sa0 = torch.tensor(0.5, device=ctx.device)  # record #360 §1.2: sa0's init
+    yarn = Yarn(dq, rotary_dim, 0.13, paired=paired).to(ctx.device)
+    yarn.rescale(128, 384)  # the first window change's stretched frequencies
+    grads = [(0.01 * torch.randn((T, H, w), device=ctx.device, generator=gen)).bfloat16() for w in (dq, dq, dv)]
+
+    def step(fused: bool) -> list[torch.Tensor]:
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w_qk, w_v, sa0)]
+        if fused:
+            f1, f2 = yarn.tables(T)
+            with use_backend(triton=True):
+                q, k, v = fp8_qkv_rope(*leaves, f1, f2, H, rotary_dim, paired, key_offset)
+        else:
+            qk, v = fp8_qkv(*leaves).split([2 * H * dq, H * dv], dim=-1)
+            q, k = (t.bfloat16() for t in normed_rotary_qk(qk.view(T, 2 * H, dq), yarn, paired, key_offset))
+            v = v.view(T, H, dv)
+        torch.autograd.backward((q, k, v), grads)
+        return [q.detach(), k.detach(), v.detach()] + [t.grad for t in leaves]
+
+    return {"fused": lambda: step(True), "unfused": lambda: step(False)}
+
+
+@register("fused_qkv")
+def check_fused_qkv(ctx: Context) -> list[Result]:
+    """The fused training QKV (quantize, GEMM, QK-norm + rotary epilogue; the fused backward) against
+    the unfused path at one rank's stage-2 shapes, per attention layer kind: forward + backward
+    parity (relative to each tensor's norm) and time, both eager."""
+    T, D, H = ctx.shape(record=(49152, 768, 6), tiny=(9, 40, 2))  # record #360 §6.2: 49,152 tokens per rank
+    # (name, d_qk, d_v, paired, key offset, rotary dims): record #360 modules §2.2
+    kinds = ctx.shape(record=[("narrow paired (layers 0, 2, 5)", 64, 128, True, False, 64),
+                              ("half-v (layers 1, 8)", 64, 64, False, False, 64),
+                              ("wide + key offset (layers 3, 10)", 128, 128, False, True, 64)],
+                      tiny=[("narrow paired", 8, 16, True, False, 8), ("wide + key offset", 16, 16, False, True, 8)])
+    names = ("q", "k", "v", "dx", "dW_qk", "dW_v", "dsa0")
+    results = []
+    for name, dq, dv, paired, key_offset, rotary_dim in kinds:
+        ops = _qkv_case(ctx, T, D, H, dq, dv, paired, key_offset, rotary_dim)
+        got, want = ops["fused"](), ops["unfused"]()
+        errors = {n: float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+                  for n, a, b in zip(names, got, want)}
+        qk_ulps = max(ulp_distance(got[i], want[i], torch.bfloat16, atol=1e-6) for i in (0, 1))
+        del got, want
+        # q/k within an ulp (another Σu² order), a few g8 bytes one e4m3 ulp off: 1% of each norm
+        # bounds it with a wide margin (tests/kernels/test_kernels_qkv_rope.py)
+        row = ctx.compare("fused_qkv", f"{name} T={T} H={H} d_qk={dq} d_v={dv} fwd+bwd", max(errors.values()), 1e-2,
+                          "rel", ops["fused"], ops["unfused"])
+        on_gpu = ctx.device.type == "cuda"  # the dry run skips the memory runs (None on a CPU anyway)
+        row.peak_mib = ctx.peak_mib(ops["fused"]) if on_gpu else None
+        unfused_peak = ctx.peak_mib(ops["unfused"]) if on_gpu else None
+        worst = max(errors, key=errors.get)
+        row.note = (f"fused/unfused time {_fmt(row.kernel_ms / row.torch_ms if row.torch_ms else None, '.2f')}; "
+                    f"peak MiB unfused {_fmt(unfused_peak, '.0f')}; q/k max {qk_ulps:.2g} bf16 ulp; "
+                    f"worst {worst} {errors[worst]:.2g}")
+        results.append(row)
+    return results
+
+
 @dataclass
 class RecordStep:
     """One rank's stage-2 record-shaped training step, built once for model_step and model_compile."""
@@ -545,8 +660,23 @@ def check_model_step(ctx: Context) -> list[Result]:
     with use_backend(**portable):
         torch_ms = ctx.time_ms(train_step)
     case = f"{preset} model, {batch.inputs.numel()} tokens, P={s.softmax_p}, windows {(s.ws_short, s.ws_long)}"
+    estimate = _step_memory_estimate_mib(preset, 2 if ctx.dry_run else 1, step)
     return [Result("model_step", case, abs(value - reference) / abs(reference), 2e-2, "rel", kernel_ms=kernel_ms,
-                   torch_ms=torch_ms, peak_mib=peak, note=f"loss {value:.5f} vs portable {reference:.5f}")]
+                   torch_ms=torch_ms, peak_mib=peak,
+                   note=f"loss {value:.5f} vs portable {reference:.5f}; model.summary --memory estimates "
+                        f"{estimate:,.0f} MiB for this preset and geometry on {2 if ctx.dry_run else 1} process(es)")]
+
+
+def _step_memory_estimate_mib(preset: str, world_size: int, step: int) -> float:
+    """`python -m model.summary --config PRESET --memory --world-size W`'s estimate for the geometry of
+    `step` (static device items + that step's column), in MiB, to print next to the measured peak."""
+    from config import RUN_PRESETS
+    from model.summary import build_rank_on_meta, geometries, static_items, step_memory
+
+    rank = build_rank_on_meta(RUN_PRESETS[preset], world_size)
+    settings, steps = next((g, st) for g, st in geometries(rank.schedule) if step in st)
+    static = sum(i.bytes for i in static_items(rank) if i.where == "device")
+    return (static + step_memory(rank, settings, steps).total) / 2**20
 
 
 @register("model_compile")

@@ -27,7 +27,7 @@ except ImportError as exc:
     print(f"SKIP: no Triton NVIDIA backend: {exc}")
     sys.exit(0)
 import triton.language as tl
-from perf.kernels import cross_entropy, mlp, ngram_embed, symmetric_matmul, transpose, value_embed
+from perf.kernels import cross_entropy, mlp, ngram_embed, qkv_rope, symmetric_matmul, transpose, value_embed
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 H100_SHARED_MEMORY = 232448  # bytes per block (227 KiB)
@@ -82,15 +82,19 @@ for tiles in gpu_configs(ngram_embed.TILES):
                  dict(rows_ptr="*bf16", pool_ptr="*bf16", sign_rows_ptr="*i32", out_ptr="*bf16"), {}, tiles)
     compile_sm90(ngram_embed._ngram_backward_kernel,
                  dict(grad_ptr="*bf16", pool_ptr="*bf16", sign_rows_ptr="*i32", d_rows_ptr="*bf16"), {}, tiles)
+softcap = dict(A=cross_entropy.SOFTCAP_A, B=cross_entropy.SOFTCAP_B, C=cross_entropy.SOFTCAP_C, NUM_MTP=3)
 for tiles in gpu_configs(cross_entropy.TILES):
-    for logits in ("*fp32", "*bf16"):
+    for logits in ("*fp32", "*bf16", "*fp8e4nv"):
         for prefix in (False, True):
-            for write_grad in (False, True):
+            for write_grad in ((False, True) if logits != "*fp8e4nv" else (False,)):
                 compile_sm90(cross_entropy._softcapped_ce_kernel,
                              dict(logits_ptr=logits, targets_ptr="*i64", prefix_ptr="*i64", weights_ptr="*fp32",
-                                  row_loss_ptr="*fp32", grad_ptr=logits if write_grad else "*fp32"),
-                             dict(A=cross_entropy.SOFTCAP_A, B=cross_entropy.SOFTCAP_B, C=cross_entropy.SOFTCAP_C,
-                                  NUM_MTP=3, HAS_PREFIX=prefix, WRITE_GRAD=write_grad), tiles)
+                                  row_loss_ptr="*fp32", lse_ptr="*fp32", grad_ptr=logits if write_grad else "*fp32"),
+                             dict(softcap, HAS_PREFIX=prefix, WRITE_GRAD=write_grad), tiles)
+        compile_sm90(cross_entropy._softcapped_ce_grad_e5m2_kernel,
+                     dict(logits_ptr="*fp8e4nv", targets_ptr="*i64", prefix_ptr="*i64", weights_ptr="*fp32",
+                          lse_ptr="*fp32", grad_out_ptr="*fp32", grad_scale_ptr="*fp32", out_ptr="*u8"),
+                     dict(softcap, E5M2_MAX=cross_entropy.E5M2_MAX, HAS_PREFIX=prefix), tiles)
 mlp_unit_strides = ("stride_xd", "stride_gd", "stride_wd")  # the fp8 caches and activations are row-major
 for dtype in (tl.bfloat16, tl.float32):
     compile_sm90(mlp._up_relu2_fp8_kernel, dict(x8_ptr="*fp8e4nv", w1_ptr="*fp8e4nv", post8_ptr="*fp8e4nv",
@@ -99,6 +103,17 @@ for dtype in (tl.bfloat16, tl.float32):
                  dpre8_t_ptr="*fp8e5"), dict(DPRE_DTYPE=dtype, INTERPRETER=False), mlp.TILES["cuda_fp8"], mlp_unit_strides)
 compile_sm90(mlp._up_relu2_bf16_kernel, dict(x_ptr="*bf16", w1_ptr="*bf16", post_ptr="*bf16"), dict(INTERPRETER=False),
              mlp.TILES["cuda_bf16"], mlp_unit_strides)
+compile_sm90(qkv_rope._quantize_dual_kernel, dict(x_ptr="*bf16", x8_ptr="*fp8e4nv", x8_t_ptr="*fp8e4nv"),
+             dict(INTERPRETER=False), qkv_rope.TILES["cuda_quantize"])
+# the record's attention layer kinds (modules §2.2): (d_qk, d_v, paired, key offset)
+for qk_dim, v_dim, paired, key_offset in ((64, 128, True, False), (64, 64, False, False), (128, 128, False, True)):
+    rope = dict(NUM_HEADS=6, QK_DIM=qk_dim, ROTARY_DIM=64, EPS=qkv_rope.RMS_NORM_EPS, PAIRED=paired,
+                KEY_OFFSET=key_offset, INTERPRETER=False, BLOCK_D=qk_dim)
+    compile_sm90(qkv_rope._qk_norm_rope_kernel, dict(qk_ptr="*bf16", factor1_ptr="*bf16", factor2_ptr="*bf16",
+                 q_ptr="*bf16", k_ptr="*bf16"), dict(rope, OUT_DTYPE=tl.bfloat16), qkv_rope.TILES["cuda_rope"])
+    compile_sm90(qkv_rope._qkv_rope_backward_kernel, dict(grad_q_ptr="*bf16", grad_k_ptr="*bf16", grad_v_ptr="*bf16",
+                 qk_ptr="*bf16", factor1_ptr="*bf16", factor2_ptr="*bf16", g8_ptr="*fp8e4nv", g8_t_ptr="*fp8e4nv"),
+                 dict(rope, QK_DTYPE=tl.bfloat16, V_DIM=v_dim, BLOCK_V=v_dim), qkv_rope.TILES["cuda_rope_backward"])
 print("ALL COMPILED")
 '''
 

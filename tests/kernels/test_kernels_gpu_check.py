@@ -52,7 +52,7 @@ def test_results_row_ratio_and_table():
 @pytest.mark.triton
 def test_dry_run_writes_results(tmp_path):
     proc = subprocess.run([sys.executable, "perf/gpu_check.py", "--dry-run", "--out", str(tmp_path)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     payload = json.loads((tmp_path / "results.json").read_text())
     assert payload["dry_run"] and payload["all_passed"]
