@@ -2,18 +2,14 @@
 (the sorted stack pass, itself checked against brute force in test_model_prefix.py), and two gloo
 ranks assemble the same table with one all-gather."""
 import os
-import socket
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from model.prefix import build_prefix_table, build_prefix_table_slice, prefix_slice_bounds
+from tests.gloo_workers import run_workers
 
-REPO = Path(__file__).resolve().parents[2]
 GPT2_TABLE = 50304  # record #360's padded vocabulary: ids 50257..50303 are padding
 
 
@@ -82,31 +78,13 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_two_gloo_ranks_gather_the_single_rank_table(tmp_path, gpt2_whole):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    out, port, world = tmp_path / "table", str(_free_port()), 2
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out, world = tmp_path / "table", 2
+    env = {"HF_HUB_OFFLINE": "1"}
     if "TIKTOKEN_CACHE_DIR" in os.environ:  # conftest points it at ../shared's GPT-2 BPE
         env["TIKTOKEN_CACHE_DIR"] = os.environ["TIKTOKEN_CACHE_DIR"]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), port, str(out)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    for r, p in enumerate(procs):
-        try:
-            log, _ = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"rank {r} of {world} timed out")
-        assert p.returncode == 0, f"rank {r} of {world} failed:\n{log[-3000:]}"
+    run_workers(WORKER, tmp_path, world, out, timeout=120, env=env)
     for r in range(world):
         saved = torch.load(f"{out}.{r}")
         assert saved["table"].dtype == torch.long and torch.equal(saved["table"], gpt2_whole), f"rank {r}"

@@ -8,18 +8,14 @@ arithmetic per matrix/row, so the result is expected bitwise. The run is the who
 windows and the ship); the small stand-in's banks (6, 3 and 8 matrices) are padded on 4 and 2
 ranks. An n-gram table of 64 rows is sharded 64/W rows per rank, with bf16 sink gradients
 (whose fp32 sums are exact in any order)."""
-import socket
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from optim.standin import StandInParams
+from tests.gloo_workers import run_workers
 
-REPO = Path(__file__).resolve().parents[2]
 
 WORKER = textwrap.dedent('''
     import datetime, sys
@@ -61,32 +57,11 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(tmp_path, world: int, logs: list | None = None) -> list[dict]:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
     out = tmp_path / f"params_w{world}"
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), port, str(out)],
-                              cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
-                                             "OMP_NUM_THREADS": "1"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    for r, p in enumerate(procs):
-        try:
-            log, _ = p.communicate(timeout=150)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"rank {r} of {world} timed out")
-        assert p.returncode == 0, f"rank {r} of {world} failed:\n{log[-3000:]}"
-        if logs is not None:
-            logs.append(log)
+    worker_logs = run_workers(WORKER, tmp_path, world, out)
+    if logs is not None:
+        logs.extend(worker_logs)
     return [torch.load(f"{out}.{r}") for r in range(world)]
 
 
