@@ -37,7 +37,7 @@ from model.canonical_mask import CanonicalMaskBuild
 from model.embeddings import NgramTable
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
-from model.prefix import build_prefix_table
+from model.prefix import build_prefix_table, build_prefix_table_sharded, gpt2_encoding
 from optim.manager import NgramRowOptimizer, OptimizerManager
 from optim.row_exchange import RowExchange
 from optim.schedule import StepWeights, TrainingSchedule
@@ -45,6 +45,8 @@ from optim.tail_average import TailAverages
 from perf import backend as perf_backend
 from perf.attention_backends import assert_record_backends
 from perf.compile import compile_model, compiled_graphs
+from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS  # the fp8 refresh's kernels change after these
+from perf.pinned_batches import PinnedBatchRing
 from perf.preflight import cheap_checks, raise_on_fail
 from perf.sync_check import host_side, sync_check
 from records.run_log import format_peak_memory_line, format_step_line, format_val_line, read_source
@@ -190,7 +192,8 @@ class Run:
             for t in [*self.model.parameters(), self.model.ngram_sign_pool]:
                 dist.broadcast(t.data, 0)
         self.table = NgramTable(cfg.model, setup.rank, setup.world_size, device=setup.device)
-        self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim)
+        # keep_grads: gradients zeroed in place, never released (a captured backward adds into them)
+        self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim, keep_grads=True)
         # value_embeds' backward adds straight into the optimizer's fp16 cycle buffer (record #360)
         self.model.value_embed_grad_buffer = self.manager.cycle_gradient("value_embeds")
         # the table's rows move between ranks by host-planned exchanges (no host sync on the device)
@@ -210,21 +213,50 @@ class Run:
         self.model.refresh_fp8()  # the fp8 weight caches, before the first training forward
         self.forward = compile_model(self.model, setup.backend)  # fullgraph; the module itself when not compiling
         self.hash_sizes = ngram_hash_sizes(cfg.model)  # the loader's n-gram hashes match the model's tables
+        # CUDA-graph capture: train_step wraps each capturable region in capture_region(name, key);
+        # perf/cuda_graphs/contract.py swaps in its checker, a capture would swap in the graphs
+        self.capture_region = lambda region, key: contextlib.nullcontext()
+        self.static_inputs: dict[tuple, torch.Tensor] = {}  # (name, shape, dtype) -> device buffer
+        self.batch_ring = PinnedBatchRing(setup.device) if setup.backend.pinned_batches else None
 
-    def upload(self, host_batch, softmax_p: int, sampler: CandidateSampler | None = None):
+    def upload(self, host_batch, softmax_p: int, sampler: CandidateSampler | None = None, static: bool = False):
         """The host batch on the device, its n-gram row plan and its sampled-softmax candidates.
 
         The plan and the candidates are built from the host batch (host work the sync check lets
-        through); everything reaches the device by non-blocking copies (pinned memory on CUDA)."""
+        through); everything reaches the device by non-blocking copies (pinned memory on CUDA).
+        static: copy into this geometry's static input buffers (`static_input`), as a captured
+        training step needs, instead of into fresh device tensors."""
         with host_side():
             plan = self.exchange.plan(host_batch.ngram_ids)  # a host collective: every rank, same order
             candidates = sampler.candidates(host_batch.targets, softmax_p) if softmax_p else None
             if candidates is not None and self.setup.device.type == "cuda":
                 candidates = candidates.pin_memory()
-        batch = host_batch.to(self.setup.device, non_blocking=True)
+        if self.batch_ring is not None:  # a pinned slot and a side-stream copy (SPEEDRUN_PINNED_BATCHES)
+            host_batch = self.batch_ring.to_device(host_batch)
+        if static:
+            batch = replace(host_batch, **{f: self.static_input(f, getattr(host_batch, f))
+                                           for f in ("inputs", "targets", "cu_seqlens", "ngram_sign_rows")})  # ngram_ids: host only (the plan)
+            if candidates is not None:
+                candidates = self.static_input("candidates", candidates)
+            return batch, plan, candidates
+        batch = host_batch.to(self.setup.device, non_blocking=True)  # a no-op after the ring
         if candidates is not None:
             candidates = candidates.to(self.setup.device, non_blocking=True)
         return batch, plan, candidates
+
+    def static_input(self, name: str, src: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+        """`src` copied (non-blocking, in place) into the run's device buffer for inputs of this
+        name, shape and dtype: one buffer per step geometry, the same storage every step, so a
+        captured step reads its inputs where it was captured. A requires_grad buffer is a leaf
+        whose .grad persists too (the caller zeroes it after use)."""
+        key = (name, tuple(src.shape), src.dtype)
+        buf = self.static_inputs.get(key)
+        if buf is None:
+            buf = self.static_inputs[key] = torch.empty(src.shape, dtype=src.dtype, device=self.setup.device)
+            buf.requires_grad_(requires_grad)
+        with torch.no_grad():
+            buf.copy_(src, non_blocking=True)
+        return buf
 
     def set_windows(self, windows: tuple[int, int], yarn: bool = True) -> None:
         if windows != self.windows and yarn:
@@ -239,18 +271,25 @@ class Run:
         mtp_weights, prefix_weight = self.step_weights.load(step)  # tensors: new values, same graph
         total = torch.zeros((), device=self.setup.device)
         for sampler, host_batch in zip(self.samplers, batches):
-            batch, plan, candidates = self.upload(host_batch, s.softmax_p, sampler)
-            rows = self.exchange.pull(self.table.rows, plan).detach().requires_grad_(True)  # the sink leaf
+            batch, plan, candidates = self.upload(host_batch, s.softmax_p, sampler, static=True)
+            # the sink leaf: the pulled rows (an all_to_all with host-planned sizes, outside the
+            # captured region) copied into this geometry's static leaf
+            rows = self.static_input("ngram_rows", self.exchange.pull(self.table.rows, plan), requires_grad=True)
             args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp_weights,
                             prefix_weight=prefix_weight, candidates=candidates, training=True,
                             max_seq_len=batch.max_seq_len)
-            loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
-            (loss / self.setup.accum).backward()  # the record's gradient: the mean over 8 ranks of each rank's sum
-            self.ngram_opt.accumulate(plan, rows.grad)
+            with self.capture_region("forward_backward", s.geometry):
+                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
+                (loss / self.setup.accum).backward()  # the record's gradient: the mean over 8 ranks of each rank's sum
+            self.ngram_opt.accumulate(plan, rows.grad)  # merged per distinct row: a per-batch size, outside
+            rows.grad.zero_()  # the next backward accumulates into it (x + 0 is x, bitwise)
             total += loss.detach()
-        self.manager.step(step)
+        self.manager.load_scalars(step)  # this step's lr, betas, bias corrections: device scalars, in place
+        fp8_exact = self.model.mlp_fp8 is not None and self.model.mlp_fp8.refresh_calls < FP8_EXACT_SCALE_CALLS
+        with self.capture_region("optimizer", (self.manager.phase(step), fp8_exact)):
+            self.manager.step(step)
+            self.model.refresh_fp8()
         self.ngram_opt.step(step)
-        self.model.refresh_fp8()
         return total
 
     def warmup(self, val_steps: list[int], log) -> None:
@@ -295,7 +334,11 @@ class Run:
                 if name in self.initial_state:  # tensors; the YaRN scales (extra state) reset below
                     t.copy_(self.initial_state[name], non_blocking=True)  # host → device, in place
             self.table.rows.zero_()
-        self.model.zero_grad(set_to_none=True)
+        # gradients zeroed in place, not released: the captured backward accumulates into them
+        self.model.zero_grad(set_to_none=False)
+        for buf in self.static_inputs.values():
+            if buf.grad is not None:
+                buf.grad.zero_()
         self.manager.reset()
         self.ngram_opt.reset()
         for sampler in self.samplers:
@@ -470,17 +513,22 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         warmup_graphs = compiled_graphs() - graphs_before_warmup
         tails = TailAverages(run.manager, schedule)
         loader = TrainLoader(train_glob, setup.virtual_ranks, cfg.virtual_world_size, **run.hash_sizes,
-                             pin_memory=setup.device.type == "cuda")
+                             pin_memory=setup.device.type == "cuda" and run.batch_ring is None)  # the ring pins
         mask_build = CanonicalMaskBuild(cfg.model.vocab_size) if cfg.canonical_mask and setup.is_master else None
 
         # the clock
+        gpt2_encoding()  # tiktoken's one-time BPE load (~0.2-0.9 s) off the clock; the prefix table reads it
         validation_graphs = 0
         setup.synchronize()
         train_ms, t0 = 0.0, time.perf_counter()
         graphs_before_loop = compiled_graphs()
         if mask_build is not None:
             mask_build.start()  # a forked child builds it while we train (record #92)
-        run.model.set_prefix_table(build_prefix_table(cfg.model.vocab_size).to(setup.device))
+        # one slice per process, all-gathered (SPEEDRUN_SHARDED_PREFIX), else the whole build here
+        run.model.set_prefix_table(
+            build_prefix_table_sharded(cfg.model.vocab_size, setup.rank, setup.world_size, setup.device)
+            if setup.backend.sharded_prefix and setup.world_size > 1
+            else build_prefix_table(cfg.model.vocab_size).to(setup.device))
         with garbage_collector_paused():  # record #360: no collection pauses inside the timed loop
             for step in range(steps):
                 if cfg.val_every and step % cfg.val_every == 0:  # intermediate validation: off the clock

@@ -119,22 +119,38 @@ class AdamState:
         self.step = 0
 
 
+def adam_step_scalars(lr: float, betas: tuple[float, float], t: int, weight_decay: float) -> tuple[float, float]:
+    """(step size, decay coefficient) of Adam update number t (1-based): the bias-corrected lr
+    lr·√(1 − β2^t)/(1 − β1^t) and lr²·weight_decay, host doubles (the update rounds them to fp32
+    where it multiplies, as a Python scalar or a 0-D fp32 tensor alike)."""
+    beta1, beta2 = betas
+    return lr * (1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t), lr * lr * weight_decay
+
+
 def adam_update(p: Tensor, grad: Tensor, state: AdamState, betas: tuple[float, float], lr: float,
                 eps: float, weight_decay: float) -> None:
     """One Adam step with bias correction and cautious decay, in place on p (any dtype).
 
     lr is the effective lr (base * schedule * lr_mul); the decay coefficient is lr^2 * weight_decay
     (weight_decay = base decay * wd_mul), applied where update * p > 0 (strict, unlike the banks)."""
-    beta1, beta2 = betas
     state.step += 1
-    t = state.step
+    step_size, decay = adam_step_scalars(lr, betas, state.step, weight_decay)
+    adam_apply(p, grad, state, betas, step_size, decay, eps)
+
+
+def adam_apply(p: Tensor, grad: Tensor, state: AdamState, betas: tuple[float, float],
+               step_size: float | Tensor, decay: float | Tensor, eps: float) -> None:
+    """The device part of one Adam step (`adam_update` less the host step count): step_size and
+    decay are `adam_step_scalars`' values, as Python floats or as 0-D fp32 tensors holding them
+    (a CUDA graph's form: the values change in place, the kernels stay). Both forms multiply in
+    fp32 with the value rounded once to fp32, so they are bitwise equal."""
+    beta1, beta2 = betas
     g = grad.float()
     state.exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
     state.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    step_size = lr * (1 - beta2 ** t) ** 0.5 / (1 - beta1 ** t)
     update = state.exp_avg / (state.exp_avg_sq.sqrt() + eps) * step_size
     pf = p.float()
-    update = update + pf * ((update * pf) > 0) * (lr * lr * weight_decay)
+    update = update + pf * ((update * pf) > 0) * decay
     p.copy_(pf - update)
 
 

@@ -120,12 +120,13 @@ def store_master_weight(master: Tensor, p: Tensor, mantissa: Tensor) -> None:
 
 
 def cautious_master_update(p: Tensor, mantissa: Tensor, update: Tensor, gate: Tensor,
-                           eff_wd: float, eff_lr: Tensor) -> None:
+                           eff_wd: float | Tensor, eff_lr: Tensor) -> None:
     """p <- p - [gate * p >= 0] * p * eff_wd * eff_lr - update * eff_lr on the fp32 master value.
 
     p is a bf16 [matrices, rows, cols] view (written in place); eff_lr is per matrix
-    ([matrices, 1, 1] fp32). Decay where the gate and the weight agree in sign (0 counts as
-    agreeing, record #89/#360 convention: >= 0)."""
+    ([matrices, 1, 1] fp32); eff_wd a float or a 0-D fp32 tensor holding it (bitwise the same).
+    Decay where the gate and the weight agree in sign (0 counts as agreeing, record #89/#360
+    convention: >= 0)."""
     if p.dtype != torch.bfloat16 or mantissa.dtype != torch.uint16:
         raise TypeError(f"master update needs a bf16 weight and a uint16 sidecar, got {p.dtype} "
                         f"and {mantissa.dtype}")
@@ -158,21 +159,30 @@ class BankState:
 
 @dataclass(frozen=True)
 class BankStepScalars:
-    """The per-step numbers a bank update reads (set from the schedule by optim/manager.py)."""
-    momentum: float        # Nesterov lookahead: the scheduled rail beta (NorMuon: its momentum)
-    eff_wd: float          # wd_mul * weight_decay * lr
-    eff_lr: Tensor         # fp32 [matrices, 1, 1]: lr_mul * shape multiplier * per-matrix mul * lr
-    fast_beta: float = 0.0     # ANVIL: the fast rail's beta this step
+    """The per-step numbers a bank update reads (set from the schedule by optim/manager.py).
+
+    The ones that change from step to step (momentum, eff_wd, fast_beta, momentum_lerp) may be
+    Python floats or 0-D fp32 tensors holding them: a captured CUDA graph reads them from device
+    memory that changes in place. Both forms give bitwise the same update (each value is rounded
+    once to fp32 where it is used)."""
+    momentum: float | Tensor   # Nesterov lookahead: the scheduled rail beta (NorMuon: its momentum)
+    eff_wd: float | Tensor     # wd_mul * weight_decay * lr
+    eff_lr: Tensor             # fp32 [matrices, 1, 1]: lr_mul * shape multiplier * per-matrix mul * lr
+    fast_beta: float | Tensor = 0.0  # ANVIL: the fast rail's beta this step
     fast_weight: float = 1.0   # ANVIL: the fast rail's weight in the blend
     slow_beta: float = 0.98    # record #360 RAIL_SLOW_BETA
     beta2: float = 0.9         # record #360: equalizer EMA
     margin: float = 1.05       # record #360 FROBENIUS_MARGIN
     eps: float = 1e-6          # record #360 FROBENIUS_EPS
+    momentum_lerp: float | Tensor | None = None  # NorMuon: 1 − momentum rounded once (None: from momentum)
 
 
-def one_minus_fp32(x: float) -> float:
+def one_minus_fp32(x: float | Tensor) -> float | Tensor:
     """1 − fp32(x) computed in fp32, as record #360 computes it from its 0-D fp32 scalar tensors
-    (not fp32(1 − x): the two differ in the last bit for most x, e.g. 0.9)."""
+    (not fp32(1 − x): the two differ in the last bit for most x, e.g. 0.9). A 0-D fp32 tensor x
+    gives the same value as a 0-D tensor (an fp32 subtraction on the device)."""
+    if isinstance(x, Tensor):
+        return 1 - x
     return float(np.float32(1.0) - np.float32(x))
 
 

@@ -37,7 +37,7 @@ routes the gradients back at table events.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import torch
@@ -46,7 +46,7 @@ from torch import Tensor
 
 from config import OptimConfig
 from optim.adam import (EMBED, LM_HEAD, RECORD_PARAM_TABLE, VALUE_EMBEDS, AdamState, ParamRule,
-                        RowAdamState, adam_update, build_param_table, embed_moments_from_lm_head,
+                        RowAdamState, adam_apply, adam_step_scalars, build_param_table, embed_moments_from_lm_head,
                         row_sparse_adam_event, value_embed_hparams)
 from optim.anvil import BankState, BankStepScalars, anvil_update, rail_settings, shape_lr_multiplier
 from optim.normuon import muon_momentum, normuon_update
@@ -103,6 +103,18 @@ class RowSharding:
         return self.pad(full)[self.lo:self.lo + self.chunk].clone()
 
 
+@dataclass(frozen=True)
+class OptimizerPhase:
+    """The schedule flags that select the optimizer's kernels at a step (which parameters update,
+    and every Python constant of their updates): a CUDA-graph key."""
+    adam: bool          # the Adam parameters update (odd steps)
+    table_event: bool   # value_embeds updates (the n-gram table's cadence)
+    tied: bool          # embed is tied to lm_head (its gradient folds into lm_head's)
+    untie: bool         # this step unties them (moments transposed into embed's)
+    period4: bool       # value_embeds' squared betas and doubled decay (4-step table cadence)
+    rails: bool         # ANVIL's fast rail has a fixed beta and is blended (fast_weight)
+
+
 @dataclass
 class Entry:
     name: str
@@ -114,6 +126,10 @@ class Entry:
     matrix_mults: Tensor | None = None  # banks: [chunk, 1, 1] fp32 per-matrix mul (0 frozen/padding, 2 c_proj, 1)
     lr_scale: float = 1.0              # banks: lr_mul * shape multiplier (a host double)
     held: Tensor | None = None         # table cadence: the cycle's gradient sum (fp16, record #360)
+    # the per-step hyperparameters as device tensors that change in place (OptimizerManager.load_scalars):
+    # 0-D fp32 each (banks: momentum, eff_wd, fast_beta, momentum_lerp; Adam: step_size, decay),
+    # banks' eff_lr [chunk, 1, 1] fp32
+    scalars: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def matrix_lr(self) -> Tensor:
@@ -136,16 +152,20 @@ class OptimizerManager:
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], schedule: TrainingSchedule,
                  cfg: OptimConfig = OptimConfig(), table: dict[str, ParamRule] = RECORD_PARAM_TABLE,
                  frozen_matrices: dict[str, Iterable[int]] | None = None,
-                 layout: tuple[int, int] | None = None):
+                 layout: tuple[int, int] | None = None, keep_grads: bool = False):
         """frozen_matrices: bank name -> matrix indices (of the [matrices, rows, cols] view) that get
         lr 0 and so never move. Without it, a bank's own `frozen_matrices` attribute is used (the
         record model marks mlp slot 7, layer 7 having no MLP: matrices 14 and 15).
         layout: (rank, world_size) to shard for instead of the process group's, for sizing the
-        states without one (model/summary.py --memory); such a manager must not step."""
+        states without one (model/summary.py --memory); such a manager must not step.
+        keep_grads: zero the consumed gradients in place instead of releasing them (`p.grad = None`),
+        so the next backward accumulates into the same storage: what a captured backward and update
+        need (train_gpt.Run). The values are bitwise the same (x + 0 is x)."""
         if cfg.bank_optimizer not in ("anvil", "normuon"):
             raise ValueError(f"OptimConfig.bank_optimizer={cfg.bank_optimizer!r}: expected "
                              "'anvil' or 'normuon'")
         self.schedule, self.cfg = schedule, cfg
+        self.keep_grads = keep_grads
         if layout is not None:
             self.rank, self.world_size = layout
         else:
@@ -160,6 +180,14 @@ class OptimizerManager:
                 frozen = frozenset(getattr(param, "frozen_matrices", ()))
             self.entries[name] = self._make_entry(name, param, rule, frozen)
         self.tied = EMBED in self.entries and LM_HEAD in self.entries
+        for e in self.entries.values():
+            device = e.param.device
+            names = ("momentum", "eff_wd", "fast_beta", "momentum_lerp") if e.rule.optim == "bank" else ("step_size", "decay")
+            e.scalars = {k: torch.zeros((), dtype=torch.float32, device=device) for k in names}
+            if e.rule.optim == "bank":
+                e.scalars["eff_lr"] = torch.zeros_like(e.matrix_mults)
+        self._loaded: int | None = None            # the step whose scalars the entries hold
+        self._bank_host: dict[str, BankStepScalars] = {}
         if self.tied:
             lm, em = self.entries[LM_HEAD].param, self.entries[EMBED].param
             if tuple(lm.shape) != tuple(em.shape[::-1]):
@@ -220,6 +248,7 @@ class OptimizerManager:
             if e.held is not None:
                 e.held.zero_()
         self.split = False
+        self._loaded = None
 
     # --- per-step hyperparameters --------------------------------------------------------------
     def bank_scalars(self, entry: Entry, step: int) -> BankStepScalars:
@@ -272,16 +301,63 @@ class OptimizerManager:
             return self.schedule.is_adam_step(step)
         return self.schedule.is_table_event(step)
 
+    def phase(self, step: int) -> "OptimizerPhase":
+        """What decides the kernels of `step(step)`, the key of a captured optimizer update (see
+        OptimizerPhase); equal phases run the same kernels on the same tensors."""
+        tied = self.tied and not self.split
+        return OptimizerPhase(adam=self.schedule.is_adam_step(step), table_event=self.schedule.is_table_event(step),
+                              tied=tied, untie=tied and step == self.schedule.split_step,
+                              period4=self.schedule.table_period4(step), rails=self.schedule.rails_engaged(step))
+
     # --- the step ---------------------------------------------------------------------------
+    def _due(self, step: int) -> list[str]:
+        """The parameters that update at `step`: due by cadence and holding a gradient."""
+        return [name for name, e in self.entries.items()
+                if self.updates_at(e, step) and (e.held is not None or e.param.grad is not None)]
+
+    @torch.no_grad()
+    def load_scalars(self, step: int) -> None:
+        """Write `step`'s hyperparameters into the due entries' device scalars (Entry.scalars) and
+        advance the Adam step counts: the host half of `step(step)`, run before it and outside a
+        captured update, so that the update reads only device memory whose values change in place
+        (no per-step Python number becomes a kernel argument; a replay runs no Python). `step`
+        calls it itself when the caller has not."""
+        for name in self._due(step):
+            e = self.entries[name]
+            sc = e.scalars
+            if e.rule.optim == "bank":
+                host = self.bank_scalars(e, step)
+                self._bank_host[name] = host
+                sc["eff_lr"].copy_(host.eff_lr)
+                sc["momentum"].fill_(host.momentum)
+                sc["eff_wd"].fill_(host.eff_wd)
+                sc["fast_beta"].fill_(host.fast_beta)
+                sc["momentum_lerp"].fill_(1 - host.momentum)  # NorMuon's lerp weight, rounded once as before
+            else:
+                e.state.step += 1
+                betas, lr, wd = self.adam_hparams(e, step)
+                step_size, decay = adam_step_scalars(lr, betas, e.state.step, wd)
+                sc["step_size"].fill_(step_size)
+                sc["decay"].fill_(decay)
+        self._loaded = step
+
+    def _bank_device_scalars(self, entry: Entry) -> BankStepScalars:
+        """The loaded step's bank scalars, its per-step values as the entry's device tensors."""
+        sc = entry.scalars
+        return replace(self._bank_host[entry.name], momentum=sc["momentum"], eff_wd=sc["eff_wd"],
+                       eff_lr=sc["eff_lr"], fast_beta=sc["fast_beta"], momentum_lerp=sc["momentum_lerp"])
+
     @torch.no_grad()
     def step(self, step: int) -> None:
-        """Reduce, update and gather every parameter due at `step`; clear the gradients used."""
+        """Reduce, update and gather every parameter due at `step`; clear the gradients used
+        (zeroed in place with keep_grads, else released)."""
+        if self._loaded != step:
+            self.load_scalars(step)
         for e in self.entries.values():
             if e.held is not None and e.param.grad is not None:
                 e.held.add_(e.param.grad)
-                e.param.grad = None
-        due = {name for name, e in self.entries.items()
-               if self.updates_at(e, step) and (e.held is not None or e.param.grad is not None)}
+                self._clear_grad(e.param)
+        due = set(self._due(step))
         adam_step = self.schedule.is_adam_step(step)
         if self.tied and not self.split and adam_step and LM_HEAD in due:
             embed = self.entries[EMBED].param
@@ -308,7 +384,7 @@ class OptimizerManager:
             local = entry.shard.local(entry.view)
             if entry.rule.optim == "bank":
                 update = anvil_update if self.cfg.bank_optimizer == "anvil" else normuon_update
-                update(local, grad, entry.state, self.bank_scalars(entry, step))
+                update(local, grad, entry.state, self._bank_device_scalars(entry))
             else:
                 self._adam(entry, local, grad, step)
             gathers[name] = self._all_gather(entry, local)
@@ -319,13 +395,20 @@ class OptimizerManager:
                 transpose_into(self.entries[EMBED].param.data, self.entries[LM_HEAD].param.data)
         # Clear the gradients that were consumed (Adam grads keep accumulating until their step).
         for name in due:
-            self.entries[name].param.grad = None
+            self._clear_grad(self.entries[name].param)
             if self.entries[name].held is not None:
                 self.entries[name].held.zero_()
         if self.tied and not self.split and adam_step:
-            self.entries[EMBED].param.grad = None
+            self._clear_grad(self.entries[EMBED].param)
         if self.tied and step == self.schedule.split_step:
             self.untie()
+        self._loaded = None
+
+    def _clear_grad(self, param: Tensor) -> None:
+        if not self.keep_grads:
+            param.grad = None
+        elif param.grad is not None:
+            param.grad.zero_()  # the next backward adds into it: same storage, same values (x + 0 is x)
 
     def _ordered(self, order: tuple[str, ...]) -> list[str]:
         """The given order, then any sharded entry it does not name (e.g. a renamed parameter)."""
@@ -334,8 +417,9 @@ class OptimizerManager:
         return named + rest
 
     def _adam(self, entry: Entry, p: Tensor, grad: Tensor, step: int) -> None:
-        betas, lr, wd = self.adam_hparams(entry, step)
-        adam_update(p, grad, entry.state, betas, lr, self.cfg.adam_eps, wd)
+        betas, _, _ = self.adam_hparams(entry, step)  # constant within a phase; lr reaches it as step_size
+        adam_apply(p, grad, entry.state, betas, entry.scalars["step_size"], entry.scalars["decay"],
+                   self.cfg.adam_eps)
 
     # --- collectives (no-ops on one process) --------------------------------------------------------
     def _all_reduce(self, grad: Tensor):

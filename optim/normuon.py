@@ -35,7 +35,7 @@ def normuon_update(p: Tensor, grad: Tensor, state: BankState, s: BankStepScalars
     rank-averaged gradient. state.velocity holds one rail ([1, ...]): the momentum buffer."""
     g = grad.float()
     buf = state.velocity[0]
-    buf.lerp_(g, 1 - s.momentum)
+    buf.lerp_(g, 1 - s.momentum if s.momentum_lerp is None else s.momentum_lerp)
     u = g.lerp(buf, s.momentum)      # Nesterov: (1 - mu) G + mu buf
     x = polar_express(u.bfloat16(), s.margin, s.eps)
     x = lane_equalize(x, state.lane_energy, s.beta2)
