@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import weakref
 from types import SimpleNamespace
 from unittest import mock
