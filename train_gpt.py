@@ -244,18 +244,21 @@ class Run:
             candidates = candidates.to(self.setup.device, non_blocking=True)
         return batch, plan, candidates
 
-    def static_input(self, name: str, src: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
-        """`src` copied (non-blocking, in place) into the run's device buffer for inputs of this
-        name, shape and dtype: one buffer per step geometry, the same storage every step, so a
-        captured step reads its inputs where it was captured. A requires_grad buffer is a leaf
-        whose .grad persists too (the caller zeroes it after use)."""
-        key = (name, tuple(src.shape), src.dtype)
+    def static_buffer(self, name: str, shape, dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
+        """The run's device buffer for inputs of this name, shape and dtype: one buffer per step
+        geometry, the same storage every step, so a captured step reads its inputs where it was
+        captured. A requires_grad buffer is a leaf whose .grad persists too (the caller zeroes it)."""
+        key = (name, tuple(shape), dtype)
         buf = self.static_inputs.get(key)
         if buf is None:
-            buf = self.static_inputs[key] = torch.empty(src.shape, dtype=src.dtype, device=self.setup.device)
+            buf = self.static_inputs[key] = torch.empty(shape, dtype=dtype, device=self.setup.device)
             buf.requires_grad_(requires_grad)
-        with torch.no_grad():
-            buf.copy_(src, non_blocking=True)
+        return buf
+
+    def static_input(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        """`src` copied (non-blocking, in place) into its static buffer (`static_buffer`)."""
+        buf = self.static_buffer(name, src.shape, src.dtype)
+        buf.copy_(src, non_blocking=True)
         return buf
 
     def set_windows(self, windows: tuple[int, int], yarn: bool = True) -> None:
@@ -273,8 +276,11 @@ class Run:
         for sampler, host_batch in zip(self.samplers, batches):
             batch, plan, candidates = self.upload(host_batch, s.softmax_p, sampler, static=True)
             # the sink leaf: the pulled rows (an all_to_all with host-planned sizes, outside the
-            # captured region) copied into this geometry's static leaf
-            rows = self.static_input("ngram_rows", self.exchange.pull(self.table.rows, plan), requires_grad=True)
+            # captured region) expanded straight into this geometry's static leaf
+            table = self.table.rows
+            rows = self.static_buffer("ngram_rows", (plan.inverse_dev.numel(), table.size(1)), table.dtype,
+                                      requires_grad=True)
+            self.exchange.pull(table, plan, out=rows)
             args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp_weights,
                             prefix_weight=prefix_weight, candidates=candidates, training=True,
                             max_seq_len=batch.max_seq_len)

@@ -171,10 +171,11 @@ class RowExchange:
                              f"{self.rank} of {self.world_size}")
 
     # --- device work (no host syncs) -----------------------------------------------------------
-    def pull(self, table_shard: Tensor, plan: RowPlan) -> Tensor:
+    def pull(self, table_shard: Tensor, plan: RowPlan, out: Tensor | None = None) -> Tensor:
         """The plan's rows, (N, D) in the shard's dtype, bit-exact copies: each owner index-selects
         the rows asked of it and one all_to_all_single (host-known splits) returns them; the asker
-        then expands its distinct rows to the N requested positions."""
+        then expands its distinct rows to the N requested positions. out: an (N, D) buffer to
+        expand into (a static buffer a captured step reads), returned; else a fresh tensor."""
         self._check(plan)
         if table_shard.dim() != 2 or table_shard.size(0) != self.rows_per_rank:
             raise ValueError(f"RowExchange.pull: table_shard must be [rows_per_rank={self.rows_per_rank}, D], "
@@ -185,7 +186,13 @@ class RowExchange:
         else:
             rows = table_shard.new_empty((plan.unique.size, table_shard.size(1)))  # (U, D): by owner = sorted
             dist.all_to_all_single(rows, answers, list(plan.ask_counts), list(plan.serve_counts))
-        return rows.index_select(0, plan.inverse_dev)                       # (N, D)
+        if out is None:
+            return rows.index_select(0, plan.inverse_dev)                   # (N, D)
+        if out.shape != (plan.inverse_dev.numel(), rows.size(1)) or out.dtype != rows.dtype:
+            raise ValueError(f"RowExchange.pull: out must be {rows.dtype} [{plan.inverse_dev.numel()}, {rows.size(1)}], "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        with torch.no_grad():  # out may be a leaf that requires grad (the step's sink leaf)
+            return torch.index_select(rows, 0, plan.inverse_dev, out=out)
 
     def push(self, held: Sequence[tuple[RowPlan, Tensor]], dim: int) -> tuple[Tensor, Tensor]:
         """A table event's gradient exchange (a collective on world_size > 1).

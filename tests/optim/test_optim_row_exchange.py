@@ -101,8 +101,16 @@ def run_rank(rank: int, world: int) -> dict:
     exchange = RowExchange(ROWS, rank, world, "cpu")
     lo, hi = exchange.lo, exchange.hi
     plans = [exchange.plan(ids) for ids in requests(rank, world)]
+    pulled = []
     with NoHostSync():
-        pulled = [exchange.pull(full_table()[lo:hi].clone(), plan) for plan in plans]
+        for i, plan in enumerate(plans):  # every other pull expands into the caller's leaf (Run's static leaf)
+            shard = full_table()[lo:hi].clone()
+            if i % 2:
+                out = torch.empty(plan.inverse.size, shard.size(1), dtype=shard.dtype, requires_grad=True)
+                assert exchange.pull(shard, plan, out=out) is out
+                pulled.append(out.detach())
+            else:
+                pulled.append(exchange.pull(shard, plan))
     try:
         exchange.plan(np.array([3, ROWS], dtype=np.int64))
         bad = ""
@@ -216,6 +224,8 @@ def test_bad_requests_are_caught_on_the_host():
         exchange.plan(torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="table_shard"):
         exchange.pull(full_table()[:10], exchange.plan([1]))
+    with pytest.raises(ValueError, match=r"out must be torch.bfloat16 \[1, \d+\]"):
+        exchange.pull(full_table(), exchange.plan([1]), out=torch.empty(2, 4))
     with pytest.raises(ValueError, match="do not shard evenly"):
         RowExchange(ROWS + 1, 0, 2, "cpu")
     plan = exchange.plan(np.array([9, 2, 9]))

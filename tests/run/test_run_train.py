@@ -287,8 +287,8 @@ def _sync_in_row_exchange(monkeypatch):
 
     original = RowExchange.pull
 
-    def pull(self, table_shard, plan):
-        rows = original(self, table_shard, plan)
+    def pull(self, table_shard, plan, out=None):
+        rows = original(self, table_shard, plan, out=out)
         bool(rows.isnan().any())  # INJECTED SYNC row exchange
         return rows
 
