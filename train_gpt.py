@@ -17,6 +17,7 @@ import os
 os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # record #360
 
 import argparse
+import collections
 import contextlib
 import datetime
 import gc
@@ -45,7 +46,9 @@ from optim.tail_average import TailAverages
 from perf import backend as perf_backend
 from perf.attention_backends import assert_record_backends
 from perf.compile import compile_model, compiled_graphs
-from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS  # the fp8 refresh's kernels change after these
+from perf.cuda_graphs.capture import RegionGraphs
+from perf.cuda_graphs.contract import run_state
+from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS
 from perf.pinned_batches import PinnedBatchRing
 from perf.preflight import cheap_checks, raise_on_fail
 from perf.sync_check import host_side, sync_check
@@ -213,9 +216,12 @@ class Run:
         self.model.refresh_fp8()  # the fp8 weight caches, before the first training forward
         self.forward = compile_model(self.model, setup.backend)  # fullgraph; the module itself when not compiling
         self.hash_sizes = ngram_hash_sizes(cfg.model)  # the loader's n-gram hashes match the model's tables
-        # CUDA-graph capture: train_step wraps each capturable region in capture_region(name, key);
-        # perf/cuda_graphs/contract.py swaps in its checker, a capture would swap in the graphs
-        self.capture_region = lambda region, key: contextlib.nullcontext()
+        # CUDA graphs (SPEEDRUN_CUDA_GRAPHS): train_step runs each capturable region through
+        # run_region(name, key, fn); the warmup captures every key, the timed loop replays
+        # (perf/cuda_graphs/capture.py; on CPU its twin). perf/cuda_graphs/contract.py swaps in its checker.
+        self.graphs = RegionGraphs.for_device(setup.device, lambda: run_state(self), strict=cfg.requires_fast_path) \
+            if setup.backend.cuda_graphs else None
+        self.run_region = self.graphs.run if self.graphs is not None else (lambda region, key, fn: fn())
         self.static_inputs: dict[tuple, torch.Tensor] = {}  # (name, shape, dtype) -> device buffer
         self.batch_ring = PinnedBatchRing(setup.device) if setup.backend.pinned_batches else None
 
@@ -284,21 +290,48 @@ class Run:
             args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp_weights,
                             prefix_weight=prefix_weight, candidates=candidates, training=True,
                             max_seq_len=batch.max_seq_len)
-            with self.capture_region("forward_backward", s.geometry):
+
+            def forward_backward(batch=batch, rows=rows, args=args):
                 loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
                 (loss / self.setup.accum).backward()  # the record's gradient: the mean over 8 ranks of each rank's sum
+                return loss.detach()
+
+            loss = self.run_region("forward_backward", s.geometry, forward_backward)
             self.ngram_opt.accumulate(plan, rows.grad)  # merged per distinct row: a per-batch size, outside
             rows.grad.zero_()  # the next backward accumulates into it (x + 0 is x, bitwise)
-            total += loss.detach()
-        self.manager.load_scalars(step)  # this step's lr, betas, bias corrections: device scalars, in place
-        fp8_exact = self.model.mlp_fp8 is not None and self.model.mlp_fp8.refresh_calls < FP8_EXACT_SCALE_CALLS
-        with self.capture_region("optimizer", (self.manager.phase(step), fp8_exact)):
-            self.manager.step(step)
-            self.model.refresh_fp8()
+            total += loss
+        # the host half of the update, outside the region: this step's lr, betas, bias corrections
+        # into device scalars (in place), and the fp8 refresh's count (its mode is part of the key)
+        self.manager.load_scalars(step)
+        fp8_exact = self.model.next_fp8_refresh_exact()
+
+        def update():
+            self.manager.step(step, untie=False)
+            self.model.refresh_fp8(fp8_exact)
+
+        self.run_region("optimizer", self.optimizer_key(self.manager.phase(step), fp8_exact), update)
+        if self.manager.untie_due(step):  # once per run: embed's moments from lm_head's, host state too
+            self.manager.untie()
         self.ngram_opt.step(step)
         return total
 
-    def warmup(self, val_steps: list[int], log) -> None:
+    @staticmethod
+    def optimizer_key(phase, fp8_exact: bool) -> tuple:
+        """The optimizer region's capture key: what decides its kernels (perf/cuda_graphs/contract.py)."""
+        return phase, fp8_exact
+
+    def region_keys(self, step: int) -> list[tuple[str, object]]:
+        """The (region, key)s a run meets at `step` from step 0: what the warmup must capture."""
+        exact = self.model.mlp_fp8 is not None and self.fp8_refreshes_before(step) < FP8_EXACT_SCALE_CALLS
+        return [("forward_backward", self.schedule.settings(step).geometry),
+                ("optimizer", self.optimizer_key(self.manager.phase_at(step), exact))]
+
+    @staticmethod
+    def fp8_refreshes_before(step: int) -> int:
+        """fp8 refreshes a run has done when `step` updates: the reset's, then one per step."""
+        return step + 1
+
+    def warmup(self, val_steps: list[int], log, horizon: int | None = None) -> None:
         """The untimed warmup on dummy data, so that every graph compiles here and the clock meets
         none: a training step at every schedule geometry (`warmup_steps`), the validation forward
         at the windows each intermediate validation will see (those of the step before it), and
@@ -306,7 +339,11 @@ class Run:
         Windows, YaRN scales and the order of window changes are the timed run's. `reset()`
         undoes it all."""
         cfg, schedule = self.cfg, self.schedule
-        steps = warmup_steps(schedule)
+        horizon = min(horizon or schedule.total_steps, schedule.total_steps)
+        steps = warmup_steps(schedule, self.region_keys if self.graphs is not None else None, horizon)
+        if self.graphs is not None:  # a key the run meets once is not worth a graph: it runs eagerly
+            met = collections.Counter(key for st in range(horizon) for key in self.region_keys(st))
+            self.graphs.eager_keys = {key for key, count in met.items() if count < 2}
         pending = {schedule.windows(max(k - 1, 0)) for k in val_steps}  # windows in force at each validation
         log.print0(f"warming up on dummy data at steps {steps}, validation at windows {sorted(pending)} "
                    f"and {schedule.final_windows()}", console=True)
@@ -315,11 +352,16 @@ class Run:
                 pending.discard(self.windows)
                 self.validate(self.dummy_val_batches(), self.windows)
             tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
+            if self.model.mlp_fp8 is not None:  # the fp8 refresh mode the timed loop has at this step
+                self.model.mlp_fp8.refresh_calls = self.fp8_refreshes_before(step)
             self.train_step(step, [dummy_batch(tokens, schedule.doc_cap(step), seed=step, **self.hash_sizes)
                                    for _ in self.setup.virtual_ranks])
         if pending:
             raise RuntimeError(f"warmup: no warmup step runs at windows {sorted(pending)} of an intermediate "
                                f"validation (warmup_steps must visit every stage)")
+        if self.graphs is not None and self.graphs.pending():
+            raise RuntimeError(f"warmup: CUDA-graph keys warmed once but never captured: {self.graphs.pending()} "
+                               f"(warmup_steps must visit every key twice)")
         self.set_windows(schedule.final_windows(), yarn=False)
         vocab = cfg.model.vocab_size
         mask = torch.zeros((vocab, (vocab + 7) // 8), dtype=torch.uint8, device=self.setup.device) \
@@ -414,17 +456,30 @@ def garbage_collector_paused():
         gc.unfreeze()
 
 
-def warmup_steps(schedule: TrainingSchedule) -> list[int]:
+def warmup_steps(schedule: TrainingSchedule, region_keys=None, horizon: int | None = None) -> list[int]:
     """The first step of every schedule geometry (`StepSettings.geometry`: one compiled graph each)
     and the step after it (so Adam and table steps run too), plus the split step: every shape the
-    clock will meet."""
+    clock will meet. With region_keys (step -> the CUDA-graph (region, key)s of that step, when
+    capturing), also the earliest steps that make every key the clock meets more than once run
+    twice: once to warm up, once to capture (perf/cuda_graphs/capture.py). horizon: the run stops
+    before this step (--max-steps): only steps before it are planned for."""
+    n = min(schedule.total_steps, horizon or schedule.total_steps)
     seen, steps = set(), {schedule.split_step, schedule.split_step + 1}
-    for step in range(schedule.total_steps):
+    for step in range(n):
         geometry = schedule.settings(step).geometry
         if geometry not in seen:
             seen.add(geometry)
             steps.update((step, step + 1))
-    return sorted(st for st in steps if st < schedule.total_steps)
+    steps = {st for st in steps if st < n}
+    if region_keys is not None:  # (keys the run meets once run eagerly: nothing to capture)
+        met = collections.Counter(key for st in range(n) for key in region_keys(st))
+        visits = collections.Counter(key for st in steps for key in region_keys(st))
+        for step in range(n):
+            keys = region_keys(step)
+            if step not in steps and any(visits[key] < 2 <= met[key] for key in keys):
+                steps.add(step)
+                visits.update(keys)
+    return sorted(steps)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -513,10 +568,13 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         graphs_before_warmup = compiled_graphs()
         steps = min(n, cfg.max_steps) if cfg.max_steps else n
         if cfg.warmup:
-            run.warmup(list(range(0, steps, cfg.val_every)) if cfg.val_every else [], log)
+            run.warmup(list(range(0, steps, cfg.val_every)) if cfg.val_every else [], log, horizon=steps)
             log.print0("resetting model and optimizer state", console=True)
         run.reset()
         warmup_graphs = compiled_graphs() - graphs_before_warmup
+        if run.graphs is not None:  # every key the clock meets was captured (and checked) in the warmup
+            run.graphs.freeze()
+            log.print0(f"cuda graphs: {run.graphs.summary()}", console=True)
         tails = TailAverages(run.manager, schedule)
         loader = TrainLoader(train_glob, setup.virtual_ranks, cfg.virtual_world_size, **run.hash_sizes,
                              pin_memory=setup.device.type == "cuda" and run.batch_ring is None)  # the ring pins
@@ -585,6 +643,8 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         val_loss = run.validate(final_batches, schedule.final_windows(), canonical_mask)
         validation_graphs += compiled_graphs() - graphs
         log.print0(format_val_line(steps, n, val_loss, train_ms), console=True)
+        if run.graphs is not None and run.graphs.eager_calls:
+            log.print0(f"cuda graphs: {run.graphs.summary()}", console=True)
         if setup.backend.compile:  # dynamo's own counters: nothing may compile after the warmup
             log.print0(f"compiled graphs: warmup {warmup_graphs}, timed {timed_graphs}", console=True)
             log.print0(f"compiled graphs: validation after the warmup {validation_graphs}", console=True)

@@ -186,10 +186,16 @@ class GPT(nn.Module):
         self.value_embed_grad_buffer: Tensor | None = None  # the optimizer's, set by the training loop
 
     # --- hooks the training loop calls -------------------------------------------------------------
-    def refresh_fp8(self) -> None:
-        """Re-quantize the MLP weights and roll the delayed scales (after every optimizer step)."""
+    def refresh_fp8(self, exact: bool | None = None) -> None:
+        """Re-quantize the MLP weights and roll the delayed scales (after every optimizer step).
+        exact: the mode `next_fp8_refresh_exact()` returned, when the caller counts the refresh
+        itself (outside a captured region); None counts it here."""
         if self.mlp_fp8 is not None:
-            self.mlp_fp8.refresh(self.mlp_bank.detach())
+            self.mlp_fp8.refresh(self.mlp_bank.detach(), exact)
+
+    def next_fp8_refresh_exact(self) -> bool:
+        """Whether the next `refresh_fp8` uses exact weight scales, counting it (a host counter)."""
+        return self.mlp_fp8 is not None and self.mlp_fp8.next_refresh_exact()
 
     def rearm_fp8(self) -> None:
         """After the post-warmup state reset: exact weight scales again, warmup amaxes dropped."""

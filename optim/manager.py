@@ -109,8 +109,8 @@ class OptimizerPhase:
     and every Python constant of their updates): a CUDA-graph key."""
     adam: bool          # the Adam parameters update (odd steps)
     table_event: bool   # value_embeds updates (the n-gram table's cadence)
-    tied: bool          # embed is tied to lm_head (its gradient folds into lm_head's)
-    untie: bool         # this step unties them (moments transposed into embed's)
+    tied: bool          # embed is tied to lm_head (its gradient folds into lm_head's); the untie
+                        # itself runs after the update, outside it (`untie_due`)
     period4: bool       # value_embeds' squared betas and doubled decay (4-step table cadence)
     rails: bool         # ANVIL's fast rail has a fixed beta and is blended (fast_weight)
 
@@ -304,9 +304,16 @@ class OptimizerManager:
     def phase(self, step: int) -> "OptimizerPhase":
         """What decides the kernels of `step(step)`, the key of a captured optimizer update (see
         OptimizerPhase); equal phases run the same kernels on the same tensors."""
-        tied = self.tied and not self.split
+        return self._phase(step, self.tied and not self.split)
+
+    def phase_at(self, step: int) -> "OptimizerPhase":
+        """The phase `phase(step)` returns when a run reaches `step` from step 0 (tied up to and
+        including the split step): what a warmup plans its captures with."""
+        return self._phase(step, self.tied and step <= self.schedule.split_step)
+
+    def _phase(self, step: int, tied: bool) -> "OptimizerPhase":
         return OptimizerPhase(adam=self.schedule.is_adam_step(step), table_event=self.schedule.is_table_event(step),
-                              tied=tied, untie=tied and step == self.schedule.split_step,
+                              tied=tied,
                               period4=self.schedule.table_period4(step), rails=self.schedule.rails_engaged(step))
 
     # --- the step ---------------------------------------------------------------------------
@@ -347,10 +354,16 @@ class OptimizerManager:
         return replace(self._bank_host[entry.name], momentum=sc["momentum"], eff_wd=sc["eff_wd"],
                        eff_lr=sc["eff_lr"], fast_beta=sc["fast_beta"], momentum_lerp=sc["momentum_lerp"])
 
+    def untie_due(self, step: int) -> bool:
+        """Whether `step` is the split step, whose update is followed by `untie()`."""
+        return self.tied and not self.split and step == self.schedule.split_step
+
     @torch.no_grad()
-    def step(self, step: int) -> None:
+    def step(self, step: int, untie: bool = True) -> None:
         """Reduce, update and gather every parameter due at `step`; clear the gradients used
-        (zeroed in place with keep_grads, else released)."""
+        (zeroed in place with keep_grads, else released); at the split step, then `untie()`.
+        untie=False leaves that to the caller (`untie_due`): a captured update must not contain it,
+        since it sets host state (the split flag, embed's Adam step count) a replay would skip."""
         if self._loaded != step:
             self.load_scalars(step)
         for e in self.entries.values():
@@ -400,9 +413,10 @@ class OptimizerManager:
                 self.entries[name].held.zero_()
         if self.tied and not self.split and adam_step:
             self._clear_grad(self.entries[EMBED].param)
-        if self.tied and step == self.schedule.split_step:
+        # _loaded stays `step`: the update sets no host state (a captured one is replayed, and the
+        # capture check runs it thrice from the same state); the next load_scalars moves it on
+        if untie and self.untie_due(step):
             self.untie()
-        self._loaded = None
 
     def _clear_grad(self, param: Tensor) -> None:
         if not self.keep_grads:
@@ -432,6 +446,14 @@ class OptimizerManager:
         if self.world_size == 1:
             return None, grad
         full = entry.shard.pad(grad).contiguous()
+        if dist.get_backend() == "gloo":
+            # gloo has no reduce-scatter of its own: it all-reduces a clone and copies this rank's
+            # chunk out, outside the dispatcher (where neither the sync check nor the CPU capture
+            # twin sees it). The same all-reduce here, on a copy, and the chunk as a view.
+            if full.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+                full = full.clone()
+            lo = self.rank * entry.shard.chunk
+            return dist.all_reduce(full, op=dist.ReduceOp.AVG, async_op=True), full[lo: lo + entry.shard.chunk]
         out = torch.empty((entry.shard.chunk, *full.shape[1:]), dtype=full.dtype, device=full.device)
         return _reduce_scatter_single(out, full, op=dist.ReduceOp.AVG, async_op=True), out
 

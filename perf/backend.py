@@ -10,6 +10,9 @@ can be overridden with environment variables (read once, at first use):
     SPEEDRUN_COMPILE=0|1         torch.compile the model (default: 1 on CUDA, 0 on CPU)
     SPEEDRUN_COMPILE_BACKEND=inductor|aot_eager|eager   torch.compile's backend (default inductor;
                                  aot_eager and eager trace exactly what a GPU run traces, on CPU, in tests)
+    SPEEDRUN_CUDA_GRAPHS=0|1     capture the forward/backward (per geometry) and the optimizer update (per
+                                 phase) in the warmup, replay them in the timed loop (perf/cuda_graphs/
+                                 capture.py; default 1 on CUDA, 0 on CPU, where 1 replays the CPU twin)
     SPEEDRUN_SYNC_CHECK=0|1      fail on any host sync inside the timed training step (perf/sync_check.py)
     SPEEDRUN_HOST_CHECKS=0|1     debugging checks that read tensor values on the host (index ranges, ...):
                                  default 1 on CPU, 0 on CUDA and under SPEEDRUN_SYNC_CHECK=1 (a GPU would
@@ -46,6 +49,7 @@ class Backend:
     attention: str
     compile: bool
     compile_backend: str = "inductor"
+    cuda_graphs: bool = False  # regions captured in the warmup and replayed (perf/cuda_graphs/capture.py)
     sync_check: bool = False  # the timed step fails on a host sync (perf/sync_check.py)
     host_checks: bool = False  # value checks that read tensors on the host (see host_checks())
     # overlap pieces (issue "Overlap"): each one hides work behind compute without changing the math
@@ -55,7 +59,8 @@ class Backend:
 
     @property
     def is_fast_path(self) -> bool:
-        return self.device == "cuda" and self.triton and self.fp8 and self.attention == "fa3" and self.compile
+        return (self.device == "cuda" and self.triton and self.fp8 and self.attention == "fa3" and self.compile
+                and self.cuda_graphs)
 
 
 def _env_flag(env, name: str, default: bool) -> bool:
@@ -94,6 +99,7 @@ def detect(env=os.environ, device: str | None = None) -> Backend:
         attention=attention,
         compile=_env_flag(env, "SPEEDRUN_COMPILE", device == "cuda"),
         compile_backend=compile_backend,
+        cuda_graphs=_env_flag(env, "SPEEDRUN_CUDA_GRAPHS", device == "cuda"),
         sync_check=sync_check,
         host_checks=_env_flag(env, "SPEEDRUN_HOST_CHECKS", device == "cpu" and not sync_check),
         pinned_batches=_env_flag(env, "SPEEDRUN_PINNED_BATCHES", overlap),
@@ -119,6 +125,8 @@ def require_fast_path(backend: Backend) -> None:
         missing.append("torch.compile (SPEEDRUN_COMPILE=0)")
     elif backend.compile_backend != "inductor":
         missing.append(f"inductor (SPEEDRUN_COMPILE_BACKEND={backend.compile_backend})")
+    if not backend.cuda_graphs:
+        missing.append("CUDA graphs (SPEEDRUN_CUDA_GRAPHS=0)")
     if missing:
         raise RuntimeError("the record preset needs the fast path, but this run lacks: " + "; ".join(missing)
                            + ". Use --config dev (1-8 CUDA GPUs) or --config smoke (CPU) instead.")

@@ -29,7 +29,8 @@ Tensors are named by parameter, gradient, buffer, optimizer-state or static-inpu
 (`run_state`); an unnamed tensor from outside a region that changes address is a per-step input
 that did not go through a static buffer.
 
-The regions of a training step (`train_gpt.Run.train_step`, wrapped by `Run.capture_region`):
+The regions of a training step (`train_gpt.Run.train_step` runs each through `Run.run_region(name, key, fn)`;
+perf/cuda_graphs/capture.py captures and replays them):
 
 * "forward_backward", keyed by the step geometry (`StepSettings.geometry`): one micro-batch's
   forward and backward, reading the static input buffers (`Run.upload(static=True)`: tokens,
@@ -38,8 +39,11 @@ The regions of a training step (`train_gpt.Run.train_step`, wrapped by `Run.capt
   planned sizes) and the sink gradient's per-row merge (its size is the batch's distinct rows) stay
   outside, before and after it.
 * "optimizer", keyed by `OptimizerManager.phase(step)` and the fp8 refresh mode (the first 16
-  refreshes use exact weight scales): `manager.step(step)` then `model.refresh_fp8()`, reading the
-  per-step hyperparameters from device scalars that `manager.load_scalars(step)` fills outside it.
+  refreshes use exact weight scales): `manager.step(step, untie=False)` then
+  `model.refresh_fp8(exact)`, reading the per-step hyperparameters from device scalars that
+  `manager.load_scalars(step)` fills outside it; the refresh count
+  (`model.next_fp8_refresh_exact()`) and the one-off untie (host state: the split flag) run
+  outside it too.
   The n-gram table event (`ngram_opt.step`) stays outside: its all_to_all sizes and its row count
   change from event to event.
 """
@@ -261,7 +265,7 @@ class ContractChecker:
 
     @contextlib.contextmanager
     def region(self, region: str, key):
-        """Wrap one call of a capturable region (what `Run.capture_region` returns)."""
+        """Wrap one call of a capturable region."""
         slot = (region, repr(key))
         index = self.calls.get(slot, 0)
         self.calls[slot] = index + 1
@@ -277,6 +281,11 @@ class ContractChecker:
             self.captured[slot] = call
         elif index >= 2:
             self._compare(self.captured[slot], call)
+
+    def run_region(self, region: str, key, fn):
+        """`Run.run_region`'s signature: fn() checked as one call of the region."""
+        with self.region(region, key):
+            return fn()
 
     def _check_state(self, call: RegionCall, before: dict[str, int], after: dict[str, int]) -> None:
         for name, ptr in after.items():
@@ -415,8 +424,8 @@ def check_run(run, steps: int, start: int = 0, checker: ContractChecker | None =
     from data.loader import dummy_batch
     checker = checker or ContractChecker(lambda: run_state(run))
     schedule, cfg = run.schedule, run.cfg
-    previous = run.capture_region
-    run.capture_region = checker.region
+    previous = run.run_region
+    run.run_region = checker.run_region
     try:
         for step in range(start, min(start + steps, schedule.total_steps)):
             tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
@@ -427,7 +436,7 @@ def check_run(run, steps: int, start: int = 0, checker: ContractChecker | None =
                            for r in run.setup.virtual_ranks]
             run.train_step(step, batches)
     finally:
-        run.capture_region = previous
+        run.run_region = previous
     return checker
 
 

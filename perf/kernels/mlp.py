@@ -85,14 +85,23 @@ class Fp8MLPState(nn.Module):
             self.register_buffer(name, buf, persistent=False)
         self.refresh_calls = 0
 
+    def next_refresh_exact(self) -> bool:
+        """Whether the next refresh uses exact weight scales (the first FP8_EXACT_SCALE_CALLS do),
+        counting it: the host half of `refresh`, run outside a captured optimizer update (a replay
+        runs no Python, so the count must not advance inside it)."""
+        exact = self.refresh_calls < FP8_EXACT_SCALE_CALLS
+        self.refresh_calls += 1
+        return exact
+
     @torch.no_grad()
-    def refresh(self, bank: Tensor) -> None:
-        """Quantize bank [S, 2, H, D] (c_fc, c_proj) into the caches and roll the delayed scales."""
+    def refresh(self, bank: Tensor, exact: bool | None = None) -> None:
+        """Quantize bank [S, 2, H, D] (c_fc, c_proj) into the caches and roll the delayed scales.
+        exact: the mode `next_refresh_exact()` returned; None asks it here."""
         if bank.shape[0] != self.w1_f8.shape[0] or bank.shape[2:] != self.w1_f8.shape[1:]:
             raise ValueError(f"Fp8MLPState.refresh: bank {tuple(bank.shape)} does not match the state's "
                              f"[{self.w1_f8.shape[0]}, 2, {self.w1_f8.shape[1]}, {self.w1_f8.shape[2]}]")
-        exact = self.refresh_calls < FP8_EXACT_SCALE_CALLS
-        self.refresh_calls += 1
+        if exact is None:
+            exact = self.next_refresh_exact()
         for w, scale, amax, row, col in (
                 (bank[:, 0], self.w1_scale, self.w1_tile_amax, self.w1_f8, self.w1_f8_col),
                 (bank[:, 1], self.w2_scale, self.w2_tile_amax, self.w2_f8, self.w2_f8_col)):

@@ -11,7 +11,8 @@ import torch
 from perf import attention_backends as ab
 from perf.backend import Backend, use_backend
 
-RECORD_BACKEND = Backend(device="cuda", sm=90, triton=True, fp8=True, attention="fa3", compile=True)
+RECORD_BACKEND = Backend(device="cuda", sm=90, triton=True, fp8=True, attention="fa3", compile=True,
+                         cuda_graphs=True)
 
 
 def _cu_seqlens(cuts, T, pad=1):

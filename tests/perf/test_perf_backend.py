@@ -32,10 +32,20 @@ def test_record_refuses_anything_but_the_fast_path():
         be.require_fast_path(be.detect(env={}, device="cpu"))
     msg = str(err.value)
     assert "a CUDA device" in msg and "FA3 attention (SPEEDRUN_ATTENTION=sdpa)" in msg and "--config smoke" in msg
-    fast = be.Backend(device="cuda", sm=90, triton=True, fp8=True, attention="fa3", compile=True)
+    fast = be.Backend(device="cuda", sm=90, triton=True, fp8=True, attention="fa3", compile=True, cuda_graphs=True)
     be.require_fast_path(fast)  # no error
     with pytest.raises(RuntimeError, match=r"an SM90 GPU \(H100/H200; found SM80\)"):
-        be.require_fast_path(be.Backend(device="cuda", sm=80, triton=True, fp8=True, attention="fa3", compile=True))
+        be.require_fast_path(be.Backend(device="cuda", sm=80, triton=True, fp8=True, attention="fa3", compile=True,
+                                        cuda_graphs=True))
+    with pytest.raises(RuntimeError, match=r"CUDA graphs \(SPEEDRUN_CUDA_GRAPHS=0\)"):
+        be.require_fast_path(be.Backend(device="cuda", sm=90, triton=True, fp8=True, attention="fa3", compile=True))
+
+
+def test_cuda_graphs_default_on_cuda_only_and_switchable():
+    assert be.detect(env={}, device="cpu").cuda_graphs is False
+    assert be.detect(env={"SPEEDRUN_CUDA_GRAPHS": "1"}, device="cpu").cuda_graphs is True  # the CPU twin
+    with pytest.raises(ValueError, match="SPEEDRUN_CUDA_GRAPHS must be 0 or 1"):
+        be.detect(env={"SPEEDRUN_CUDA_GRAPHS": "on"}, device="cpu")
 
 
 def test_use_backend_restores():
@@ -57,7 +67,7 @@ def test_compile_backend_sync_check_and_host_checks():
     with pytest.raises(ValueError, match="SPEEDRUN_COMPILE_BACKEND must be one of"):
         be.detect(env={"SPEEDRUN_COMPILE_BACKEND": "cudagraphs"}, device="cpu")
     fast = be.Backend(device="cuda", sm=90, triton=True, fp8=True, attention="fa3", compile=True,
-                      compile_backend="aot_eager")
+                      compile_backend="aot_eager", cuda_graphs=True)
     with pytest.raises(RuntimeError, match=r"inductor \(SPEEDRUN_COMPILE_BACKEND=aot_eager\)"):
         be.require_fast_path(fast)
 

@@ -236,10 +236,10 @@ def test_violations_injected_into_the_smoke_step_are_named(smoke, monkeypatch):
 
     step = run.manager.step
 
-    def bad_step(s):
+    def bad_step(s, **kwargs):
         st = run.manager.entries["scalars"].state
         st.exp_avg_sq = torch.zeros_like(st.exp_avg_sq)
-        step(s)
+        step(s, **kwargs)
 
     monkeypatch.setattr(run, "forward", bad_forward)
     monkeypatch.setattr(run.manager, "step", bad_step)

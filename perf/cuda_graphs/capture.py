@@ -1,0 +1,426 @@
+"""CUDA-graph capture of the training step's regions, replayed in the timed loop (SPEEDRUN_CUDA_GRAPHS).
+
+Record #360 replays its forward/backward and its optimizer update as CUDA graphs: its ablation
+prices the step graphs at 2.99 s and the optimizer-update graphs at 0.92 s of its 39.9 s. A step
+is hundreds of small launches (the ANVIL cascade, the Adam tail, the fp8 refresh, the small
+replicated parameters) that the host cannot issue as fast as the GPU runs them; a replay issues
+them all in one call.
+
+`RegionGraphs.run(region, key, fn)` is what `train_gpt.Run.train_step` calls for each capturable
+region ("forward_backward" per step geometry, "optimizer" per optimizer phase and fp8 refresh
+mode; perf/cuda_graphs/contract.py states what a region must keep to be capturable):
+
+* while `capturing` (the untimed warmup), the first call of a key runs `fn` eagerly (the warm-up
+  a capture needs: lazy state, autotuning, cuBLAS and NCCL set-up; on a side stream on CUDA) and
+  notes which state it writes (per-tensor fingerprints before and after). The second call
+  captures and checks: that state is saved, the graph captured, the state restored, the graph
+  replayed, the state restored again and `fn` run eagerly; the replay must match the eager run
+  (`GraphMismatch`, naming the region, key and tensors, stops the run otherwise). The check runs
+  on the state a real call meets (the optimizer's gradients in place, say), which is why it waits
+  for a second call: `train_gpt.warmup_steps` visits every key twice;
+* later calls of a captured key replay the graph and return its static outputs;
+* a key in `eager_keys` always runs eagerly: the plan's keys that a run meets only once (a graph
+  would not pay; `train_gpt.Run.warmup` lists them, the log line names them);
+* any other key first met after `freeze()` (the timed loop) runs eagerly, counted in
+  `eager_calls`, or, with `strict` (the record), stops the run: a record never falls back silently.
+
+Two graph kinds share that plan:
+
+* `CudaGraph`: `torch.cuda.CUDAGraph`, every graph in one memory pool (graphs replay one at a
+  time, in stream order, so their intermediates may share memory; their outputs stay alive);
+* `TapeGraph`, the CPU twin: records the region's aten ops (TorchDispatchMode, below autograd,
+  so the backward's ops too) and replays them on the recorded tensors: tensors from outside the
+  region by their storage (a graph's baked addresses), tensors made inside rebuilt from the
+  replayed ops, Python scalars as recorded, no Python run. A region whose Python does work a
+  replay skips (a host counter, a tensor swapped in by Python, a per-step Python number) trains
+  differently under it, so `SPEEDRUN_CUDA_GRAPHS=1` on CPU proves the capture plan end to end
+  (tests/run: graphed and eager smoke runs alike, bit for bit).
+
+Bitwise: the CPU twin replays the very ops eager runs, so its check demands equal bits. On CUDA
+kernels that accumulate with atomics (embedding backward, split reductions) may differ in the
+last bits between two runs, so the check allows `CUDA_TOLERANCE` of the tensor's largest
+magnitude and reports how many tensors matched bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+# Largest |graphed - eager| allowed, relative to max |eager| of the tensor, on CUDA: two eager
+# runs of a kernel with atomic accumulation differ at this level at most (bf16 rounding of
+# reordered sums); a stale address or a skipped Python side effect differs at O(1).
+CUDA_TOLERANCE = 1e-2
+FINGERPRINT_CHUNK = 1 << 26  # elements per chunk of a state fingerprint (bounds its int64 temporaries)
+
+
+def _storage_ptr(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _flat_tensors(outputs) -> list[Tensor]:
+    return [t for t in tree_flatten(outputs)[0] if isinstance(t, Tensor)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the two graph kinds
+# ----------------------------------------------------------------------------------------------------
+
+
+class CudaGraph:
+    """One torch.cuda.CUDAGraph: `capture(fn)` records fn's kernels (running none of them) and
+    returns its outputs, static tensors that every `replay()` rewrites in place."""
+
+    def __init__(self, pool, stream: torch.cuda.Stream):
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool, self.stream = pool, stream
+
+    def capture(self, fn: Callable):
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
+            outputs = fn()
+        torch.cuda.synchronize()
+        return outputs
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+# torch.tensor(...) inside a region: the argument is a host tensor Python made without an aten op
+_LIFT_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift"}
+
+
+@dataclass(frozen=True)
+class _Made:
+    """A tensor made inside the region: a view (offset, size, stride, dtype) of the storage the
+    region's `storage`-th fresh allocation produced."""
+    storage: int
+    offset: int
+    size: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class _TapeOp:
+    func: object
+    args: tuple        # tensors from outside as themselves (kept alive: state), made ones as _Made
+    kwargs: dict
+    fresh: list        # (index in the flattened outputs, storage number) of each freshly allocated output
+
+
+class _TapeMode(TorchDispatchMode):
+    """Runs and records every aten op (see TapeGraph.capture)."""
+
+    def __init__(self, tape: "TapeGraph"):
+        super().__init__()
+        self.tape = tape
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # off while dynamo traces, on while compiled graphs run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tape = self.tape
+        arg_ptrs = {_storage_ptr(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)}
+        if func._schema.name in _LIFT_OPS:  # a constant made by Python (torch.tensor(...)): baked as is;
+            for ptr in arg_ptrs:               # Python allocated it, maybe where a freed made one lived
+                tape.made.pop(ptr, None)
+            rec_args, rec_kwargs = args, kwargs
+        else:
+            rec_args, rec_kwargs = tree_map(tape.encode, args), tree_map(tape.encode, kwargs)
+        out = func(*args, **kwargs)
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.ScriptObject) and hasattr(o, "wait"):
+                # a collective's Work: waited here, unrecorded, as the replay will; what its wait
+                # runs (gloo copies its result out then) is the collective's, not the region's
+                o.wait()
+        fresh = []
+        for i, t in enumerate(tree_flatten(out)[0]):
+            ptr = _storage_ptr(t) if isinstance(t, Tensor) else 0
+            # a storage no argument has is a new allocation (a live argument's address cannot be
+            # handed out again); the address of a freed one may be, so the number is what counts
+            if ptr and ptr not in arg_ptrs:
+                tape.made[ptr] = number = len(tape.made_order)
+                tape.made_order.append(ptr)
+                fresh.append((i, number))
+        tape.ops.append(_TapeOp(func, rec_args, rec_kwargs, fresh))
+        return out
+
+
+class TapeGraph:
+    """The CPU twin of a CUDA graph (see the module docstring). `capture(fn)` runs fn once,
+    recording its aten ops: tensors from outside the region by reference (their storage is what a
+    graph bakes in), tensors made inside as views of the region's n-th allocation. `replay()`
+    re-runs the ops on those (allocations freed after their last use) and copies the results
+    into the capture's outputs, the static tensors a CUDA graph rewrites in place."""
+
+    def __init__(self):
+        self.ops: list[_TapeOp] = []
+        self.made: dict[int, int] = {}   # storage address -> number of the allocation now living there
+        self.made_order: list[int] = []
+        self.outputs = None
+        self._output_refs: list = []
+        self._last_use: dict[int, int] = {}
+
+    def encode(self, a):
+        if not isinstance(a, Tensor):
+            return a
+        number = self.made.get(_storage_ptr(a))
+        if number is None:
+            return a   # from outside the region
+        return _Made(number, a.storage_offset(), tuple(a.shape), tuple(a.stride()), a.dtype, a.device)
+
+    def capture(self, fn: Callable):
+        with _TapeMode(self):
+            self.outputs = fn()
+        self._output_refs = [self.encode(t) for t in _flat_tensors(self.outputs)]
+        for i, op in enumerate(self.ops):
+            for a in tree_flatten((op.args, op.kwargs))[0]:
+                if isinstance(a, _Made):
+                    self._last_use[a.storage] = i
+        self.made.clear()   # the capture's own tensors are free to go; the records hold no reference
+        return self.outputs
+
+    def replay(self) -> None:
+        storages: dict[int, torch.UntypedStorage] = {}
+        keep = {r.storage for r in self._output_refs if isinstance(r, _Made)}
+
+        def decode(a):
+            if not isinstance(a, _Made):
+                return a
+            return torch.empty(0, dtype=a.dtype, device=a.device).set_(storages[a.storage], a.offset, a.size, a.stride)
+
+        with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+            for i, op in enumerate(self.ops):
+                out = op.func(*tree_map(decode, op.args), **tree_map(decode, op.kwargs))
+                flat = tree_flatten(out)[0]
+                for index, number in op.fresh:
+                    storages[number] = flat[index].untyped_storage()
+                for o in flat:
+                    if isinstance(o, torch.ScriptObject) and hasattr(o, "wait"):
+                        o.wait()   # a collective's Work, waited where the capture waited on it
+                for a in tree_flatten((op.args, op.kwargs))[0]:
+                    if isinstance(a, _Made) and self._last_use.get(a.storage) == i and a.storage not in keep:
+                        storages.pop(a.storage, None)
+            for static, ref in zip(_flat_tensors(self.outputs), self._output_refs):
+                if isinstance(ref, _Made):
+                    static.copy_(decode(ref))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the capture plan
+# ----------------------------------------------------------------------------------------------------
+
+
+class GraphMismatch(RuntimeError):
+    """A captured region's first replay differs from an eager run of the same call."""
+
+
+def state_fingerprints(named: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """Per tensor, two int64 sums of its bits (plain and squared, wrapping): equal bits give equal
+    fingerprints; a write that changes any bit changes them except by a vanishing coincidence."""
+    out = {}
+    for name, t in named:
+        words = t.detach().reshape(-1)
+        if words.numel() == 0:
+            continue
+        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[words.element_size()]
+        words = words.view(as_int)
+        acc = torch.zeros(2, dtype=torch.int64, device=t.device)
+        for lo in range(0, words.numel(), FINGERPRINT_CHUNK):
+            w = words[lo: lo + FINGERPRINT_CHUNK].to(torch.int64)
+            acc[0] += w.sum()
+            acc[1] += (w * w).sum()
+        out[name] = acc
+    return out
+
+
+def _unique_storages(named: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+    """The first name of each storage (a parameter and its optimizer view share one)."""
+    seen, out = set(), []
+    for name, t in named:
+        if t is None or t.numel() == 0:
+            continue
+        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            out.append((name, t))
+    return out
+
+
+@dataclass
+class Captured:
+    graph: object
+    outputs: object
+    replays: int = 0
+
+
+@dataclass
+class CheckReport:
+    region: str
+    key: object
+    tensors: int          # state tensors the region writes, compared
+    bitwise: int          # of those, equal bit for bit
+    worst: float          # the largest relative difference (0.0 when all are bitwise)
+    worst_name: str = ""
+
+
+@dataclass
+class RegionGraphs:
+    """Per (region, key): capture at the first call while `capturing`, replay afterwards.
+
+    make_graph: a new graph (CudaGraph or TapeGraph); named_state: [(name, tensor)] of everything
+    that outlives a region (contract.run_state), for the capture check; tolerance: allowed
+    |graphed - eager| / max|eager| per tensor (0: bitwise); strict: a key first met after
+    `freeze()` stops the run instead of running eagerly; warm_stream: the side stream of the
+    eager warm-up call (CUDA)."""
+    make_graph: Callable[[], object]
+    named_state: Callable[[], list]
+    tolerance: float = 0.0
+    strict: bool = False
+    warm_stream: object = None
+    capturing: bool = True
+    graphs: dict = field(default_factory=dict)        # (region, key) -> Captured
+    warmed: dict = field(default_factory=dict)        # (region, key) -> names of the state its warm-up wrote
+    eager_keys: set = field(default_factory=set)      # (region, key)s run eagerly by plan (met once per run)
+    reports: list = field(default_factory=list)       # CheckReport per capture
+    eager_calls: dict = field(default_factory=dict)   # (region, key) -> calls run eagerly after freeze
+
+    @classmethod
+    def for_device(cls, device: torch.device, named_state, strict: bool = False) -> "RegionGraphs":
+        """CUDA graphs in one shared pool on CUDA, the tape twin (bitwise check) on CPU."""
+        if device.type == "cuda":
+            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+            return cls(lambda: CudaGraph(pool, stream), named_state, tolerance=CUDA_TOLERANCE,
+                       strict=strict, warm_stream=torch.cuda.Stream(device))
+        return cls(TapeGraph, named_state, tolerance=0.0, strict=strict)
+
+    def freeze(self) -> None:
+        """The warmup is over: no capture from here on."""
+        self.capturing = False
+
+    def pending(self) -> list[tuple[str, object]]:
+        """Keys warmed once but not yet captured (they need a second call while capturing)."""
+        return [slot for slot in self.warmed if slot not in self.graphs]
+
+    def run(self, region: str, key, fn: Callable):
+        slot = (region, key)
+        captured = self.graphs.get(slot)
+        if captured is not None:
+            captured.graph.replay()
+            captured.replays += 1
+            return captured.outputs
+        if slot in self.eager_keys:
+            return fn()
+        if self.capturing:
+            if slot not in self.warmed:
+                return self._warm_up(slot, fn)
+            return self._capture(region, key, fn)
+        if self.strict:
+            raise RuntimeError(f"CUDA graphs: region {region!r} key {key!r} is met in the timed loop but was not "
+                               f"captured during the warmup (train_gpt.warmup_steps must call every key twice); "
+                               f"a record run does not fall back to eager")
+        self.eager_calls[slot] = self.eager_calls.get(slot, 0) + 1
+        return fn()
+
+    # --- capture and check ------------------------------------------------------------------------
+    def _warm_up(self, slot, fn: Callable):
+        """The key's first call, eager (on the side stream on CUDA, as capture needs); notes the
+        state it writes."""
+        named = _unique_storages(self.named_state())
+        before = state_fingerprints(named)
+        if self.warm_stream is None:
+            out = fn()
+        else:
+            side, main = self.warm_stream, torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                out = fn()
+            main.wait_stream(side)
+        after = state_fingerprints(named)
+        self.warmed[slot] = {n for n, _ in named if n in before and not torch.equal(before[n], after[n])}
+        return out
+
+    def _capture(self, region: str, key, fn: Callable):
+        names = self.warmed[(region, key)]
+        written = [(n, t) for n, t in _unique_storages(self.named_state()) if n in names]
+        start = [(n, t.detach().to("cpu", copy=True)) for n, t in written]
+
+        def restore():
+            for (_, t), (_, saved) in zip(written, start):
+                t.detach().copy_(saved)
+
+        graph = self.make_graph()
+        outputs = graph.capture(fn)                        # CUDA: nothing runs; the tape: runs once
+        restore()
+        graph.replay()
+        graphed = [(n, t.detach().to("cpu", copy=True)) for n, t in written]
+        graphed_out = [t.detach().to("cpu", copy=True) for t in _flat_tensors(outputs)]
+        restore()
+        eager_out = fn()
+        self._check(region, key, written, graphed, _flat_tensors(eager_out), graphed_out)
+        self.graphs[(region, key)] = Captured(graph, outputs)
+        return eager_out
+
+    def _check(self, region, key, written, graphed, eager_out, graphed_out) -> None:
+        pairs = [(name, t.detach(), g) for (name, t), (_, g) in zip(written, graphed)]
+        pairs += [(f"output {i}", t.detach(), g) for i, (t, g) in enumerate(zip(eager_out, graphed_out))]
+        bitwise, worst, worst_name, bad = 0, 0.0, "", []
+        for name, eager, g in pairs:
+            g = g.to(eager.device)
+            if torch.equal(eager.reshape(-1).view(torch.uint8), g.reshape(-1).view(torch.uint8)):
+                bitwise += 1
+                continue
+            e64, g64 = eager.double(), g.double()
+            scale = e64.abs().max().item() if eager.numel() else 0.0
+            diff = (e64 - g64).abs().max().item()
+            rel = diff / scale if scale > 0 else float("inf")
+            if not rel <= self.tolerance:   # NaN fails too
+                bad.append(f"{name} {list(eager.shape)} {str(eager.dtype).removeprefix('torch.')}: "
+                           f"max |graphed - eager| {diff:.3e} (max |eager| {scale:.3e})")
+            if not rel <= worst:
+                worst, worst_name = rel, name
+        report = CheckReport(region, key, len(pairs), bitwise, worst, worst_name)
+        self.reports.append(report)
+        if bad:
+            allowed = "bit for bit" if self.tolerance == 0 else f"within {self.tolerance:g} of max |eager|"
+            raise GraphMismatch(
+                f"CUDA graph of region {region!r} key {key!r}: its first replay does not match an eager run of the "
+                f"same call ({allowed}) in {len(bad)} of {len(pairs)} tensors: " + "; ".join(bad[:6])
+                + (" ..." if len(bad) > 6 else "") + ". The region keeps Python state a replay skips, or reads "
+                "an input that is not a static buffer (python -m perf.cuda_graphs.contract names it).")
+
+    def summary(self) -> str:
+        """One line: graphs captured per region, how many check tensors matched bit for bit, replays."""
+        per_region: dict[str, int] = {}
+        for region, _ in self.graphs:
+            per_region[region] = per_region.get(region, 0) + 1
+        tensors = sum(r.tensors for r in self.reports)
+        bitwise = sum(r.bitwise for r in self.reports)
+        worst = max(self.reports, key=lambda r: r.worst, default=None)
+        text = (", ".join(f"{region} {n}" for region, n in sorted(per_region.items())) or "none")
+        text = f"graphs captured: {text}; replay vs eager: {bitwise}/{tensors} tensors bitwise"
+        if worst is not None and worst.worst > 0:
+            text += f", worst {worst.worst:.2e} relative ({worst.region} {worst.key!r} {worst.worst_name})"
+        replays = sum(c.replays for c in self.graphs.values())
+        text += f"; replays {replays}"
+        if self.eager_keys:
+            text += "; eager by plan (met once per run): " + ", ".join(f"{r} {k!r}" for r, k in sorted(
+                self.eager_keys, key=repr))
+        if self.pending():
+            text += "; warmed but never captured: " + ", ".join(f"{r} {k!r}" for r, k in self.pending())
+        if self.eager_calls:
+            text += f"; run eagerly (not captured): {sum(self.eager_calls.values())} calls of " + \
+                ", ".join(f"{r} {k!r}" for r, k in self.eager_calls)
+        return text
+

@@ -1,0 +1,249 @@
+"""CUDA-graph capture and replay (perf/cuda_graphs/capture.py), proved on CPU through its twin:
+TapeGraph replays a region's recorded aten ops with a graph's semantics (tensors from outside by
+storage, Python scalars as recorded, no Python run), so a region that a CUDA graph would replay
+wrongly trains differently here too."""
+import hashlib
+import textwrap
+
+import pytest
+import torch
+
+from perf.cuda_graphs.capture import CudaGraph, GraphMismatch, RegionGraphs, TapeGraph
+
+
+def _toy_training(graphed: bool, python_scalar: bool = False, make_graph=TapeGraph, device="cpu",
+                  warm=2, steps=5, strict=False):
+    """A linear layer trained by a forward/backward region and an update region; warm calls (the
+    warmup: each key twice, warm-up then capture), a reset, then `steps` timed calls. Returns the
+    losses and the plan. python_scalar: the update multiplies by a per-call Python number, the bug
+    a graph bakes in."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4).to(device)
+    init = {k: v.clone() for k, v in lin.state_dict().items()}
+    for p in lin.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.zeros(16, 8, device=device)                   # the static input buffer
+    lr = torch.tensor(0.1, device=device)
+    calls = [0]
+    graphs = RegionGraphs(make_graph, lambda: [("w", lin.weight), ("b", lin.bias), ("w.grad", lin.weight.grad),
+                                                ("b.grad", lin.bias.grad), ("x", x)], strict=strict)
+    run = graphs.run if graphed else (lambda region, key, fn: fn())
+
+    def forward_backward():
+        loss = torch.tanh(lin(x)).pow(2).sum()
+        loss.backward()
+        return loss.detach()
+
+    def update():
+        with torch.no_grad():
+            for p in lin.parameters():
+                p.sub_((lr * (1 + calls[0]) if python_scalar else lr) * p.grad)
+                p.grad.zero_()
+        calls[0] += 1
+
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(warm):
+        x.copy_(torch.randn(16, 8, generator=gen))
+        run("forward_backward", "g", forward_backward)
+        run("optimizer", "p", update)
+    graphs.freeze()
+    with torch.no_grad():   # the post-warmup reset: in place
+        for k, v in lin.state_dict().items():
+            v.copy_(init[k])
+        for p in lin.parameters():
+            p.grad.zero_()
+    calls[0] = 0
+    losses = []
+    for _ in range(steps):
+        x.copy_(torch.randn(16, 8, generator=gen))
+        losses.append(run("forward_backward", "g", forward_backward).clone())
+        run("optimizer", "p", update)
+    return torch.stack(losses).cpu(), graphs
+
+
+def test_tape_replay_trains_bitwise_like_eager():
+    eager, _ = _toy_training(graphed=False)
+    graphed, graphs = _toy_training(graphed=True)
+    assert torch.equal(eager, graphed), (eager, graphed)
+    assert set(graphs.graphs) == {("forward_backward", "g"), ("optimizer", "p")}
+    assert sum(c.replays for c in graphs.graphs.values()) == 2 * 5   # every timed call replayed
+    # the capture check compared every written tensor and the loss, all bitwise
+    assert [(r.region, r.tensors, r.bitwise) for r in graphs.reports] == \
+        [("forward_backward", 3, 3), ("optimizer", 4, 4)]
+    assert "replay vs eager: 7/7 tensors bitwise" in graphs.summary()
+
+
+def test_capture_check_stops_on_a_per_step_python_scalar_naming_graph_and_tensors():
+    with pytest.raises(GraphMismatch) as err:
+        _toy_training(graphed=True, python_scalar=True)
+    msg = str(err.value)
+    assert "region 'optimizer' key 'p'" in msg and "w [4, 8] float32" in msg and "b [4] float32" in msg, msg
+
+
+def test_uncaptured_key_runs_eagerly_or_stops_a_strict_run():
+    # warm=1: every key warmed once, never captured
+    eager, _ = _toy_training(graphed=False, warm=1)
+    graphed, graphs = _toy_training(graphed=True, warm=1)
+    assert torch.equal(eager, graphed)
+    assert graphs.eager_calls == {("forward_backward", "g"): 5, ("optimizer", "p"): 5}
+    assert "warmed but never captured" in graphs.summary()
+    with pytest.raises(RuntimeError, match="key 'g' is met in the timed loop but was not captured"):
+        _toy_training(graphed=True, warm=1, strict=True)
+
+
+def test_eager_keys_never_capture():
+    graphs = RegionGraphs(TapeGraph, lambda: [])
+    graphs.eager_keys = {("optimizer", "once")}
+    seen = []
+    for _ in range(3):
+        graphs.run("optimizer", "once", lambda: seen.append(1))
+    assert seen == [1, 1, 1] and not graphs.graphs and not graphs.warmed
+    assert "eager by plan (met once per run): optimizer 'once'" in graphs.summary()
+
+
+def test_tape_replays_views_of_its_own_allocations_and_python_constants():
+    """Ops that read a view of a tensor made earlier in the region, and a torch.tensor constant
+    made by Python (which may land where a freed tensor lived), replay to the same values."""
+    src = torch.arange(12.0)
+    out = torch.zeros(6)
+
+    def region():
+        for _ in range(3):
+            tmp = src * 2             # made, then freed: its address may be handed out again
+            del tmp
+        made = src.view(3, 4) + 1
+        sign = torch.ones(4)
+        sign[1::2] = torch.tensor(-1.0)   # lift_fresh + fill_: a Python-made constant
+        out.copy_((made.t()[1:3] * sign[None, :3]).reshape(-1))
+        return out.sum() * 1
+
+    expected = region().clone()
+    tape = TapeGraph()
+    captured = tape.capture(region)
+    out.zero_()
+    src.add_(1)                         # new values in the same storage: a replay must read them
+    tape.replay()
+    src_now = src.clone()
+    out_eager = torch.zeros(6)
+    made = src_now.view(3, 4) + 1
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    out_eager.copy_((made.t()[1:3] * sign[None, :3]).reshape(-1))
+    assert torch.equal(out, out_eager) and torch.equal(captured, out_eager.sum())
+    assert not torch.equal(expected, captured)
+
+
+def _smoke_training(graphed: bool, steps: int = 6):
+    """A one-process smoke Run (train_gpt.Run): warmup with the capture plan over the first
+    `steps` steps, the in-place reset, then `steps` timed steps on fixed dummy batches. Returns
+    the step losses and a sha256 of every named state tensor after them."""
+    import train_gpt
+    from data.loader import dummy_batch
+    from perf import backend as perf_backend
+    from perf.cuda_graphs.contract import build_run, run_state
+
+    class Log:
+        def print0(self, *a, **k):
+            pass
+
+    with perf_backend.use_backend(host_checks=False, cuda_graphs=graphed):
+        run = build_run("smoke", seed=0)
+        assert (run.graphs is not None) == graphed
+        run.warmup([], Log(), horizon=steps)
+        run.reset()
+        if run.graphs is not None:
+            run.graphs.freeze()
+        schedule, cfg = run.schedule, run.cfg
+        losses = []
+        for step in range(steps):
+            tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
+            batches = [dummy_batch(tokens, schedule.doc_cap(step), seed=1000 * step + r, **run.hash_sizes)
+                       for r in run.setup.virtual_ranks]
+            losses.append(run.train_step(step, batches).item())
+    digest = hashlib.sha256()
+    for name, t in run_state(run):
+        if t is not None:
+            digest.update(name.encode())
+            digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return losses, digest.hexdigest(), run.graphs
+
+
+@pytest.mark.slow
+def test_smoke_steps_graphed_bitwise_like_eager():
+    """The real step: every region captured in the warmup (checked bitwise against eager there)
+    and replayed in the timed steps gives the eager losses and the eager final state, bit for bit
+    (Python state a replay skips, a per-step number baked into a graph or an input that does not
+    reach the region through a static buffer would each break it)."""
+    eager_losses, eager_state, _ = _smoke_training(graphed=False)
+    losses, state, graphs = _smoke_training(graphed=True)
+    assert losses == eager_losses
+    assert state == eager_state
+    replays = {slot: c.replays for slot, c in graphs.graphs.items()}
+    assert sum(n for (region, _), n in replays.items() if region == "forward_backward") > 0, replays
+    assert sum(n for (region, _), n in replays.items() if region == "optimizer") > 0, replays
+    assert all(r.bitwise == r.tensors for r in graphs.reports), graphs.summary()
+
+
+WORKER = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    from perf.cuda_graphs.capture import RegionGraphs, TapeGraph
+
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    p = torch.full((6,), float(rank + 1))
+    grad = torch.zeros(6)
+    graphs = RegionGraphs(TapeGraph, lambda: [("p", p), ("grad", grad)])
+
+    def update():   # an optimizer's collectives: all-reduce, reduce-scatter, a local update, all-gather
+        work = dist.all_reduce(grad, async_op=True)
+        work.wait()
+        full = p * grad
+        work = dist.all_reduce(full, async_op=True)   # optim.manager's reduce-scatter on gloo
+        work.wait()
+        shard = full[3 * rank: 3 * rank + 3] * 0.5
+        dist.all_gather_into_tensor(p, shard)
+
+    seen = []
+    for step in range(5):
+        grad.copy_(torch.arange(6.0) + step + rank)
+        graphs.run("optimizer", "k", update)
+        seen.append(p.clone())
+    assert set(graphs.graphs) == {("optimizer", "k")}, graphs.summary()
+    torch.save(torch.stack(seen), f"{out}.{rank}")
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.distributed
+def test_tape_replays_collectives_on_two_gloo_ranks(tmp_path):
+    """Collectives inside a region (c10d ops, waited at replay) replay on every rank in the same
+    order: the graphed run matches the same updates computed eagerly."""
+    from tests.gloo_workers import run_workers
+    out = tmp_path / "seen"
+    run_workers(WORKER, tmp_path, 2, out)
+    got = [torch.load(f"{out}.{r}") for r in range(2)]
+    # eager reference of the same five updates, both ranks in one process
+    p = [torch.full((6,), float(r + 1)) for r in range(2)]
+    expected = []
+    for step in range(5):
+        grads = [torch.arange(6.0) + step + r for r in range(2)]
+        total = grads[0] + grads[1]
+        prods = [p[r] * total for r in range(2)]
+        summed = prods[0] + prods[1]
+        full = torch.cat([summed[:3] * 0.5, summed[3:] * 0.5])
+        p = [full.clone(), full.clone()]
+        expected.append(full)
+    for r in range(2):
+        assert torch.equal(got[r], torch.stack(expected)), (r, got[r], expected)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_bitwise_like_eager_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+    eager, _ = _toy_training(graphed=False, device="cuda")
+    graphed, graphs = _toy_training(graphed=True, device="cuda", make_graph=lambda: CudaGraph(pool, stream))
+    assert torch.equal(eager, graphed)
+    assert sum(c.replays for c in graphs.graphs.values()) == 10
