@@ -5,7 +5,8 @@
     torchrun --standalone --nproc_per_node=2 train_gpt.py --config smoke --data-path DIR  # CPU, minutes
 
 args → config → setup → build → warmup → reset → timed loop → final validation → log.
-The clock follows upstream's rules: warmup (compilation, one step per schedule geometry) is untimed
+The clock follows upstream's rules: warmup (compilation, one step per schedule geometry, and with
+SPEEDRUN_CUDA_GRAPHS the capture of every step region, each checked against eager) is untimed
 and undone in place; the clock starts after a barrier; per-run work (prefix table, canonical mask,
 validation batch reads, tail-average ship) is on the clock; validation forwards are not.
 Math lives in model/ and optim/, speed in perf/, batches in data/, logs in records/.

@@ -726,6 +726,79 @@ def check_model_compile(ctx: Context) -> list[Result]:
                    note=f"first step compiled {first} graph(s) in {compile_s:.1f} s; a second step compiled "
                         f"{recompiled}")]
 
+@register("cuda_graphs")
+def check_cuda_graphs(ctx: Context) -> list[Result]:
+    """The record-shaped step's two capturable regions (`_record_step`, one rank of 8, uncompiled
+    so as not to pay a second compile here): forward + backward, and the optimizer update with the
+    fp8 refresh, each warmed up, captured and checked against an eager call as train_gpt does it
+    (perf/cuda_graphs/capture.py), then timed eager against replayed. The error is the capture
+    check's worst relative difference (tolerance CUDA_TOLERANCE; bitwise in a dry run, where the
+    smoke model replays through the CPU twin on the portable path: plumbing only)."""
+    from perf.backend import use_backend
+
+    with use_backend(**(dict(triton=False, attention="sdpa", compile=False) if ctx.dry_run else {})):
+        return _cuda_graphs_results(ctx)
+
+
+def _cuda_graphs_results(ctx: Context) -> list[Result]:
+    from model.gpt import StepArgs
+    from optim.schedule import StepWeights
+    from perf.cuda_graphs.capture import CUDA_TOLERANCE, RegionGraphs
+    from perf.cuda_graphs.contract import module_state, optimizer_state
+
+    r = _record_step(ctx)
+    s, model, manager, batch, step = r.settings, r.model, r.manager, r.batch, r.step
+    manager.keep_grads = True  # a captured backward adds into the same .grad storage every time
+    mtp, prefix = StepWeights(r.schedule, ctx.device).load(step)
+    args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp, prefix_weight=prefix,
+                    candidates=r.candidates, training=True, max_seq_len=batch.max_seq_len)
+    table = r.table.rows
+    rows = torch.empty((r.plan.inverse_dev.numel(), table.size(1)), dtype=table.dtype, device=ctx.device,
+                       requires_grad=True)  # the static sink leaf
+    graphs = RegionGraphs.for_device(ctx.device, lambda: module_state(model) + optimizer_state(manager) +
+                                     [("ngram_rows", rows), ("ngram_rows.grad", rows.grad)])
+
+    def forward_backward():
+        loss = model(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
+        loss.backward()
+        return loss.detach()
+
+    def step_once():
+        r.exchange.pull(table, r.plan, out=rows)
+        graphs.run("forward_backward", s.geometry, forward_backward)
+        rows.grad.zero_()
+        manager.load_scalars(step)
+        exact = model.next_fp8_refresh_exact()
+
+        def update():
+            manager.step(step, untie=False)
+            model.refresh_fp8(exact)
+
+        graphs.run("optimizer", (manager.phase(step), exact), update)
+
+    step_once()  # warm-up calls
+    step_once()  # capture and check
+    graphs.freeze()
+    tol = 0.0 if ctx.dry_run else CUDA_TOLERANCE
+    results = []
+    for report in graphs.reports:
+        captured = graphs.graphs[(report.region, report.key)]
+        if report.region == "forward_backward":
+            eager = forward_backward
+        else:
+            _, exact = report.key
+
+            def eager():
+                manager.step(step, untie=False)
+                model.refresh_fp8(exact)
+        results.append(Result(
+            "cuda_graphs", f"{r.preset} {report.region}, {batch.inputs.numel()} tokens, P={s.softmax_p}, eager model",
+            report.worst, tol, "rel", kernel_ms=ctx.time_ms(captured.graph.replay), torch_ms=ctx.time_ms(eager),
+            note=f"capture check: {report.bitwise}/{report.tensors} tensors bitwise"
+                 + (f", worst {report.worst_name}" if report.worst else "") + "; kernel = replay, torch = eager"))
+    return results
+
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPU_TESTS_TIMEOUT_S = 240  # keeps the whole script inside its 8-minute budget
 

@@ -348,7 +348,8 @@ class RegionGraphs:
                 out = fn()
             main.wait_stream(side)
         after = state_fingerprints(named)
-        self.warmed[slot] = {n for n, _ in named if n in before and not torch.equal(before[n], after[n])}
+        born = {n for n, _ in _unique_storages(self.named_state())} - {n for n, _ in named}  # first .grads
+        self.warmed[slot] = born | {n for n, _ in named if n in before and not torch.equal(before[n], after[n])}
         return out
 
     def _capture(self, region: str, key, fn: Callable):
