@@ -576,6 +576,8 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         if run.graphs is not None:  # every key the clock meets was captured (and checked) in the warmup
             run.graphs.freeze()
             log.print0(f"cuda graphs: {run.graphs.summary()}", console=True)
+            if setup.device.type == "cuda":
+                torch.cuda.empty_cache()  # the eager warm-up calls' cached blocks; the graphs keep their pool
         tails = TailAverages(run.manager, schedule)
         loader = TrainLoader(train_glob, setup.virtual_ranks, cfg.virtual_world_size, **run.hash_sizes,
                              pin_memory=setup.device.type == "cuda" and run.batch_ring is None)  # the ring pins
