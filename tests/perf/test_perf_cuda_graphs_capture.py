@@ -2,7 +2,6 @@
 TapeGraph replays a region's recorded aten ops with a graph's semantics (tensors from outside by
 storage, Python scalars as recorded, no Python run), so a region that a CUDA graph would replay
 wrongly trains differently here too."""
-import hashlib
 import textwrap
 
 import pytest
@@ -132,55 +131,35 @@ def test_tape_replays_views_of_its_own_allocations_and_python_constants():
     assert not torch.equal(expected, captured)
 
 
-def _smoke_training(graphed: bool, steps: int = 6):
-    """A one-process smoke Run (train_gpt.Run): warmup with the capture plan over the first
-    `steps` steps, the in-place reset, then `steps` timed steps on fixed dummy batches. Returns
-    the step losses and a sha256 of every named state tensor after them."""
-    import train_gpt
-    from data.loader import dummy_batch
-    from perf import backend as perf_backend
-    from perf.cuda_graphs.contract import build_run, run_state
-
-    class Log:
-        def print0(self, *a, **k):
-            pass
-
-    with perf_backend.use_backend(host_checks=False, cuda_graphs=graphed):
-        run = build_run("smoke", seed=0)
-        assert (run.graphs is not None) == graphed
-        run.warmup([], Log(), horizon=steps)
-        run.reset()
-        if run.graphs is not None:
-            run.graphs.freeze()
-        schedule, cfg = run.schedule, run.cfg
-        losses = []
-        for step in range(steps):
-            tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
-            batches = [dummy_batch(tokens, schedule.doc_cap(step), seed=1000 * step + r, **run.hash_sizes)
-                       for r in run.setup.virtual_ranks]
-            losses.append(run.train_step(step, batches).item())
-    digest = hashlib.sha256()
-    for name, t in run_state(run):
-        if t is not None:
-            digest.update(name.encode())
-            digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return losses, digest.hexdigest(), run.graphs
-
-
 @pytest.mark.slow
 def test_smoke_steps_graphed_bitwise_like_eager():
-    """The real step: every region captured in the warmup (checked bitwise against eager there)
-    and replayed in the timed steps gives the eager losses and the eager final state, bit for bit
-    (Python state a replay skips, a per-step number baked into a graph or an input that does not
-    reach the region through a static buffer would each break it)."""
-    eager_losses, eager_state, _ = _smoke_training(graphed=False)
-    losses, state, graphs = _smoke_training(graphed=True)
-    assert losses == eager_losses
-    assert state == eager_state
-    replays = {slot: c.replays for slot, c in graphs.graphs.items()}
-    assert sum(n for (region, _), n in replays.items() if region == "forward_backward") > 0, replays
-    assert sum(n for (region, _), n in replays.items() if region == "optimizer") > 0, replays
-    assert all(r.bitwise == r.tensors for r in graphs.reports), graphs.summary()
+    """The real step (`python -m perf.cuda_graphs.capture --config smoke --steps 6`): every region
+    captured in the warmup (checked bitwise against eager there) and replayed in the timed steps
+    gives the eager losses and the eager final state, bit for bit (Python state a replay skips, a
+    per-step number baked into a graph or an input that does not reach the region through a static
+    buffer would each break it)."""
+    from perf.cuda_graphs import capture
+
+    text, code = capture.graphed_vs_eager("smoke", 6)
+    assert code == 0 and "PASS" in text, text
+    assert "forward_backward 1, optimizer 2" in text and "bitwise; replays 24" in text, text
+
+
+def test_graphed_vs_eager_reports_a_difference(monkeypatch):
+    """The CLI's comparison names what differs: a loss and a state tensor."""
+    from perf.cuda_graphs import capture
+
+    def fake(config, steps, graphed, seed=0):
+        state = {"qk_bank": torch.ones(3), "scalars": torch.zeros(2)}
+        if graphed:
+            state["qk_bank"] = torch.tensor([1.0, 1.0, 1.5])
+        return [10.0 + graphed], state, RegionGraphs(TapeGraph, lambda: [])
+
+    monkeypatch.setattr(capture, "train_steps", fake)
+    text, code = capture.graphed_vs_eager("smoke", 1)
+    assert code == 1, text
+    assert "step 0: loss 11.0 graphed, 10.0 eager" in text and "state qk_bank differs" in text, text
+    assert "scalars" not in text and "FAIL: 2 difference(s)" in text, text
 
 
 WORKER = textwrap.dedent("""
