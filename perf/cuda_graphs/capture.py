@@ -17,7 +17,7 @@ mode; perf/cuda_graphs/contract.py states what a region must keep to be capturab
   replayed, the state restored again and `fn` run eagerly; the replay must match the eager run
   (`GraphMismatch`, naming the region, key and tensors, stops the run otherwise). The check runs
   on the state a real call meets (the optimizer's gradients in place, say), which is why it waits
-  for a second call: `train_gpt.warmup_steps` visits every key twice;
+  for a second call: `train_gpt.warmup_steps` visits every key the run meets more than once twice;
 * later calls of a captured key replay the graph and return its static outputs;
 * a key in `eager_keys` always runs eagerly: the plan's keys that a run meets only once (a graph
   would not pay; `train_gpt.Run.warmup` lists them, the log line names them);
@@ -33,8 +33,9 @@ Two graph kinds share that plan:
   region by their storage (a graph's baked addresses), tensors made inside rebuilt from the
   replayed ops, Python scalars as recorded, no Python run. A region whose Python does work a
   replay skips (a host counter, a tensor swapped in by Python, a per-step Python number) trains
-  differently under it, so `SPEEDRUN_CUDA_GRAPHS=1` on CPU proves the capture plan end to end
-  (tests/run: graphed and eager smoke runs alike, bit for bit).
+  differently under it, so `SPEEDRUN_CUDA_GRAPHS=1` on CPU proves the capture plan end to end:
+
+      python -m perf.cuda_graphs.capture --config smoke --steps 6   # graphed vs eager, bit for bit
 
 Bitwise: the CPU twin replays the very ops eager runs, so its check demands equal bits. On CUDA
 kernels that accumulate with atomics (embedding backward, split reductions) may differ in the
@@ -51,18 +52,14 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from perf.cuda_graphs.contract import _LIFT_OPS  # torch.tensor(...) inside a region: a Python-made constant
+from perf.cuda_graphs.contract import storage_ptr as _storage_ptr
+
 # Largest |graphed - eager| allowed, relative to max |eager| of the tensor, on CUDA: two eager
 # runs of a kernel with atomic accumulation differ at this level at most (bf16 rounding of
 # reordered sums); a stale address or a skipped Python side effect differs at O(1).
 CUDA_TOLERANCE = 1e-2
 FINGERPRINT_CHUNK = 1 << 26  # elements per chunk of a state fingerprint (bounds its int64 temporaries)
-
-
-def _storage_ptr(t: Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
 
 
 def _flat_tensors(outputs) -> list[Tensor]:
@@ -91,10 +88,6 @@ class CudaGraph:
 
     def replay(self) -> None:
         self.graph.replay()
-
-
-# torch.tensor(...) inside a region: the argument is a host tensor Python made without an aten op
-_LIFT_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift"}
 
 
 @dataclass(frozen=True)
