@@ -275,8 +275,8 @@ def _sync_in_optimizer(monkeypatch):
 
     original = OptimizerManager.step
 
-    def step(self, step):
-        original(self, step)
+    def step(self, step, **kwargs):
+        original(self, step, **kwargs)
         int(self.entries["scalars"].param.argmax())  # INJECTED SYNC optimizer
 
     monkeypatch.setattr(OptimizerManager, "step", step)
