@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -386,6 +387,15 @@ class RegionGraphs:
                 worst, worst_name = rel, name
         report = CheckReport(region, key, len(pairs), bitwise, worst, worst_name)
         self.reports.append(report)
+        elsewhere = 0
+        if dist.is_available() and dist.is_initialized():  # every rank stops, not only the one that differs
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            flags = torch.tensor([float(bool(bad))], device=device)
+            dist.all_reduce(flags)
+            elsewhere = int(flags.item()) - bool(bad)
+        if not bad and elsewhere:
+            raise GraphMismatch(f"CUDA graph of region {region!r} key {key!r}: its first replay matches eager here, "
+                                f"but not on {elsewhere} other rank(s) (their logs name the tensors)")
         if bad:
             allowed = "bit for bit" if self.tolerance == 0 else f"within {self.tolerance:g} of max |eager|"
             raise GraphMismatch(

@@ -217,6 +217,46 @@ def test_tape_replays_collectives_on_two_gloo_ranks(tmp_path):
         assert torch.equal(got[r], torch.stack(expected)), (r, got[r], expected)
 
 
+MISMATCH_WORKER = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    from perf.cuda_graphs.capture import GraphMismatch, RegionGraphs, TapeGraph
+
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    p = torch.full((4,), 3.0)
+    calls = [0]
+    graphs = RegionGraphs(TapeGraph, lambda: [("p", p)])
+
+    def update():   # rank 1 only: a per-call Python number, which a graph bakes in
+        dist.all_reduce(p)
+        p.mul_(0.25 + (calls[0] if rank == 1 else 0))
+        calls[0] += 1
+
+    try:
+        for step in range(3):
+            graphs.run("optimizer", "k", update)
+        message = "no mismatch"
+    except GraphMismatch as err:
+        message = str(err)
+    open(f"{out}.{rank}", "w").write(message)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.distributed
+def test_a_mismatch_on_one_rank_stops_every_rank(tmp_path):
+    """A replay that differs on one rank only stops all of them (no rank left waiting in the next
+    collective): that rank names its tensors, the others say another rank differs."""
+    from tests.gloo_workers import run_workers
+    out = tmp_path / "message"
+    run_workers(MISMATCH_WORKER, tmp_path, 2, out)
+    rank0, rank1 = (open(f"{out}.{r}").read() for r in range(2))
+    assert "matches eager here, but not on 1 other rank(s)" in rank0, rank0
+    assert "region 'optimizer' key 'k'" in rank1 and "p [4] float32" in rank1, rank1
+
+
 @pytest.mark.gpu
 def test_cuda_graph_replays_bitwise_like_eager_on_gpu():
     if not torch.cuda.is_available():
