@@ -25,7 +25,7 @@ import gc
 import glob
 import resource
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -183,6 +183,19 @@ def data_files(cfg: RunConfig) -> tuple[str, str]:
 # ----------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class RowPrefetch:
+    """Row pulls launched a step ahead (`Run.prefetch`): one per batch, valid while the n-gram
+    table's version stands."""
+    batches: list
+    pulls: list  # optim/row_exchange.py PendingPull, one per batch
+    version: int
+
+    def wait(self) -> None:
+        for pull in self.pulls:
+            pull.wait()
+
+
 class Run:
     """The model, its n-gram table shard, the optimizers and the per-rank samplers of one run."""
 
@@ -197,7 +210,9 @@ class Run:
                 dist.broadcast(t.data, 0)
         self.table = NgramTable(cfg.model, setup.rank, setup.world_size, device=setup.device)
         # keep_grads: gradients zeroed in place, never released (a captured backward adds into them)
-        self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim, keep_grads=True)
+        # defer_gathers (SPEEDRUN_DEFERRED_GATHERS): the bank all-gathers run between steps (`flush`)
+        self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim, keep_grads=True,
+                                        defer_gathers=setup.backend.deferred_gathers)
         # value_embeds' backward adds straight into the optimizer's fp16 cycle buffer (record #360)
         self.model.value_embed_grad_buffer = self.manager.cycle_gradient("value_embeds")
         # the table's rows move between ranks by host-planned exchanges (no host sync on the device)
@@ -225,16 +240,36 @@ class Run:
         self.run_region = self.graphs.run if self.graphs is not None else (lambda region, key, fn: fn())
         self.static_inputs: dict[tuple, torch.Tensor] = {}  # (name, shape, dtype) -> device buffer
         self.batch_ring = PinnedBatchRing(setup.device) if setup.backend.pinned_batches else None
+        # what the last update leaves for `flush`: the fp8 refresh (its exact mode) and, in the
+        # manager, the deferred bank gathers
+        self.fp8_refresh_pending: bool | None = None
+        # SPEEDRUN_ROW_PREFETCH: the next step's row pulls, launched during this step
+        self.prefetched: RowPrefetch | None = None
 
-    def upload(self, host_batch, softmax_p: int, sampler: CandidateSampler | None = None, static: bool = False):
+    def flush(self) -> None:
+        """Finish the last optimizer update before anything reads the weights: wait for its
+        deferred bank gathers (on CUDA the stream waits, not the host), then re-quantize the fp8
+        MLP weights (a captured region of its own, keyed by the refresh mode). At the top of every
+        training step and validation, in `reset`, and before the tail averages ship; a no-op when
+        nothing is pending. The banks are first read by layer 0, so waiting here, before the
+        forward, is waiting just before the first reader."""
+        self.manager.wait_gathers()
+        exact, self.fp8_refresh_pending = self.fp8_refresh_pending, None
+        if exact is not None:
+            self.run_region("fp8_refresh", exact, lambda: self.model.refresh_fp8(exact))
+
+    def upload(self, host_batch, softmax_p: int, sampler: CandidateSampler | None = None, static: bool = False,
+               plan=None):
         """The host batch on the device, its n-gram row plan and its sampled-softmax candidates.
 
         The plan and the candidates are built from the host batch (host work the sync check lets
         through); everything reaches the device by non-blocking copies (pinned memory on CUDA).
         static: copy into this geometry's static input buffers (`static_input`), as a captured
-        training step needs, instead of into fresh device tensors."""
+        training step needs, instead of into fresh device tensors. plan: the batch's row plan when
+        already made (a prefetched pull's)."""
         with host_side():
-            plan = self.exchange.plan(host_batch.ngram_ids)  # a host collective: every rank, same order
+            if plan is None:
+                plan = self.exchange.plan(host_batch.ngram_ids)  # a host collective: every rank, same order
             candidates = sampler.candidates(host_batch.targets, softmax_p) if softmax_p else None
             if candidates is not None and self.setup.device.type == "cuda":
                 candidates = candidates.pin_memory()
@@ -273,21 +308,28 @@ class Run:
             self.model.rescale_rotary(self.windows, windows)
         self.windows = windows
 
-    def train_step(self, step: int, batches) -> torch.Tensor:
+    def train_step(self, step: int, batches, next_batches=None) -> torch.Tensor:
         """Forward and backward of this process's batches, then every optimizer. Returns the summed
-        loss of the process's tokens (detached)."""
+        loss of the process's tokens (detached). next_batches: the batches of the step that follows
+        (the loop's peek), whose n-gram rows are then pulled during this step (SPEEDRUN_ROW_PREFETCH)."""
+        self.flush()  # the previous update's deferred gathers and fp8 refresh, before the forward
         s = self.schedule.settings(step)
         self.set_windows((s.ws_short, s.ws_long))
         mtp_weights, prefix_weight = self.step_weights.load(step)  # tensors: new values, same graph
         total = torch.zeros((), device=self.setup.device)
-        for sampler, host_batch in zip(self.samplers, batches):
-            batch, plan, candidates = self.upload(host_batch, s.softmax_p, sampler, static=True)
+        table = self.table.rows
+        prefetched = self.take_prefetched(batches)
+        for i, (sampler, host_batch) in enumerate(zip(self.samplers, batches)):
+            pulled = prefetched[i] if prefetched is not None else None
+            batch, plan, candidates = self.upload(host_batch, s.softmax_p, sampler, static=True,
+                                                  plan=pulled.plan if pulled is not None else None)
             # the sink leaf: the pulled rows (an all_to_all with host-planned sizes, outside the
             # captured region) expanded straight into this geometry's static leaf
-            table = self.table.rows
             rows = self.static_buffer("ngram_rows", (plan.inverse_dev.numel(), table.size(1)), table.dtype,
                                       requires_grad=True)
-            self.exchange.pull(table, plan, out=rows)
+            (pulled or self.exchange.start_pull(table, plan)).finish(out=rows)
+            if i == len(batches) - 1:  # this step's own pulls are done: the next step's go now
+                self.prefetch(step, next_batches)
             args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp_weights,
                             prefix_weight=prefix_weight, candidates=candidates, training=True,
                             max_seq_len=batch.max_seq_len)
@@ -301,31 +343,58 @@ class Run:
             self.ngram_opt.accumulate(plan, rows.grad)  # merged per distinct row: a per-batch size, outside
             rows.grad.zero_()  # the next backward accumulates into it (x + 0 is x, bitwise)
             total += loss
+        if self.prefetched is not None:
+            # the prefetch's exchange is done before the optimizer graph, whose captured
+            # collectives would otherwise share the communicator with it unordered (on CUDA: a
+            # stream wait; its rows stay unexpanded until the next step)
+            self.prefetched.wait()
         # the host half of the update, outside the region: this step's lr, betas, bias corrections
-        # into device scalars (in place), and the fp8 refresh's count (its mode is part of the key)
+        # into device scalars (in place)
         self.manager.load_scalars(step)
-        fp8_exact = self.model.next_fp8_refresh_exact()
-
-        def update():
-            self.manager.step(step, untie=False)
-            self.model.refresh_fp8(fp8_exact)
-
-        self.run_region("optimizer", self.optimizer_key(self.manager.phase(step), fp8_exact), update)
+        self.run_region("optimizer", self.manager.phase(step), lambda: self.manager.step(step, untie=False))
+        # the banks' all-gathers (SPEEDRUN_DEFERRED_GATHERS) and the fp8 refresh after them wait for
+        # `flush`, at the next step's top; the refresh count is taken now (host state, in step order)
+        self.manager.launch_deferred_gathers(step)
+        if self.model.mlp_fp8 is not None:
+            self.fp8_refresh_pending = self.model.next_fp8_refresh_exact()
         if self.manager.untie_due(step):  # once per run: embed's moments from lm_head's, host state too
             self.manager.untie()
         self.ngram_opt.step(step)
         return total
 
-    @staticmethod
-    def optimizer_key(phase, fp8_exact: bool) -> tuple:
-        """The optimizer region's capture key: what decides its kernels (perf/cuda_graphs/contract.py)."""
-        return phase, fp8_exact
+    def prefetch(self, step: int, next_batches) -> None:
+        """Plan the next step's row pulls and launch them (SPEEDRUN_ROW_PREFETCH), unless this
+        step is a table event: the event rewrites the table after the backward, and the next
+        step must read its rows after that."""
+        if next_batches is None or not self.setup.backend.row_prefetch or self.schedule.is_table_event(step):
+            return
+        with host_side():
+            plans = [self.exchange.plan(b.ngram_ids) for b in next_batches]  # host collectives, step order
+        self.prefetched = RowPrefetch(next_batches, [self.exchange.start_pull(self.table.rows, p) for p in plans],
+                                      self.ngram_opt.version)
+
+    def take_prefetched(self, batches):
+        """The pulls `prefetch` launched for these batches (None when it did not), checked to be
+        still valid: the same batch objects, no table change since."""
+        prefetched, self.prefetched = self.prefetched, None
+        if prefetched is None:
+            return None
+        if len(batches) != len(prefetched.batches) or any(a is not b for a, b in zip(batches, prefetched.batches)):
+            raise RuntimeError("train_step: the batches differ from the next_batches the previous step "
+                               "prefetched rows for (pass the loop's peeked batches unchanged)")
+        if prefetched.version != self.ngram_opt.version:
+            raise RuntimeError("train_step: the n-gram table changed after the rows were prefetched "
+                               "(a table event or a reset came between)")
+        return prefetched.pulls
 
     def region_keys(self, step: int) -> list[tuple[str, object]]:
-        """The (region, key)s a run meets at `step` from step 0: what the warmup must capture."""
-        exact = self.model.mlp_fp8 is not None and self.fp8_refreshes_before(step) < FP8_EXACT_SCALE_CALLS
-        return [("forward_backward", self.schedule.settings(step).geometry),
-                ("optimizer", self.optimizer_key(self.manager.phase_at(step), exact))]
+        """The (region, key)s a run meets at `step` from step 0: what the warmup must capture (the
+        fp8 refresh of a step's update runs at the next `flush`, once per step all the same)."""
+        keys = [("forward_backward", self.schedule.settings(step).geometry),
+                ("optimizer", self.manager.phase_at(step))]
+        if self.model.mlp_fp8 is not None:
+            keys.append(("fp8_refresh", self.fp8_refreshes_before(step) < FP8_EXACT_SCALE_CALLS))
+        return keys
 
     @staticmethod
     def fp8_refreshes_before(step: int) -> int:
@@ -337,8 +406,8 @@ class Run:
         none: a training step at every schedule geometry (`warmup_steps`), the validation forward
         at the windows each intermediate validation will see (those of the step before it), and
         the final validation (final windows, a stand-in canonical mask of the real one's shape).
-        Windows, YaRN scales and the order of window changes are the timed run's. `reset()`
-        undoes it all."""
+        Windows, YaRN scales and the order of window changes are the timed run's; each step's row
+        pulls are prefetched as in the timed loop. `reset()` undoes it all."""
         cfg, schedule = self.cfg, self.schedule
         horizon = min(horizon or schedule.total_steps, schedule.total_steps)
         steps = warmup_steps(schedule, self.region_keys if self.graphs is not None else None, horizon)
@@ -348,15 +417,20 @@ class Run:
         pending = {schedule.windows(max(k - 1, 0)) for k in val_steps}  # windows in force at each validation
         log.print0(f"warming up on dummy data at steps {steps}, validation at windows {sorted(pending)} "
                    f"and {schedule.final_windows()}", console=True)
-        for step in steps:
+        def batches(step: int) -> list:
+            tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
+            return [dummy_batch(tokens, schedule.doc_cap(step), seed=step, **self.hash_sizes)
+                    for _ in self.setup.virtual_ranks]
+
+        following = batches(steps[0]) if steps else None
+        for i, step in enumerate(steps):
             if self.windows in pending:
                 pending.discard(self.windows)
                 self.validate(self.dummy_val_batches(), self.windows)
-            tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
             if self.model.mlp_fp8 is not None:  # the fp8 refresh mode the timed loop has at this step
                 self.model.mlp_fp8.refresh_calls = self.fp8_refreshes_before(step)
-            self.train_step(step, [dummy_batch(tokens, schedule.doc_cap(step), seed=step, **self.hash_sizes)
-                                   for _ in self.setup.virtual_ranks])
+            current, following = following, batches(steps[i + 1]) if i + 1 < len(steps) else None
+            self.train_step(step, current, following)
         if pending:
             raise RuntimeError(f"warmup: no warmup step runs at windows {sorted(pending)} of an intermediate "
                                f"validation (warmup_steps must visit every stage)")
@@ -378,6 +452,10 @@ class Run:
 
     def reset(self) -> None:
         """Undo the warmup in place (addresses unchanged): weights, optimizer state, table, samplers."""
+        self.flush()  # no gather may land after the weights are restored
+        if self.prefetched is not None:
+            self.prefetched.wait()
+            self.prefetched = None
         with torch.no_grad():
             for name, t in self.model.state_dict().items():
                 if name in self.initial_state:  # tensors; the YaRN scales (extra state) reset below
@@ -408,6 +486,7 @@ class Run:
     def validate(self, batches: list[list], windows: tuple[int, int], canonical_mask=None) -> float:
         """Mean next-token loss over cfg.val_tokens (each process evaluates its virtual ranks)."""
         cfg, setup = self.cfg, self.setup
+        self.flush()  # the last update's gathers and fp8 refresh
         total = torch.zeros((), dtype=torch.float64, device=setup.device)
         for step_batches in zip(*batches):
             for host_batch in step_batches:
@@ -596,6 +675,13 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
             build_prefix_table_sharded(cfg.model.vocab_size, setup.rank, setup.world_size, setup.device)
             if setup.backend.sharded_prefix and setup.world_size > 1
             else build_prefix_table(cfg.model.vocab_size).to(setup.device))
+        def next_batches(step: int) -> list | None:  # None past the last step
+            if step >= steps:
+                return None
+            with host_side():
+                return loader.next_batches(schedule.batch_tokens(step) // cfg.virtual_world_size, schedule.doc_cap(step))
+
+        following = next_batches(0)
         with garbage_collector_paused():  # record #360: no collection pauses inside the timed loop
             for step in range(steps):
                 if cfg.val_every and step % cfg.val_every == 0:  # intermediate validation: off the clock
@@ -611,11 +697,10 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                     log.print0(softmax_change_line(step, n, schedule.softmax_p(step - 1), schedule.softmax_p(step),
                                                    cfg.model.vocab_size), console=True)
                 with sync_check(setup.device, enabled=setup.backend.sync_check):  # SPEEDRUN_SYNC_CHECK=1
-                    with host_side():
-                        batches = loader.next_batches(schedule.batch_tokens(step) // cfg.virtual_world_size,
-                                                      schedule.doc_cap(step))
-                    loss_sum = run.train_step(step, batches)
-                    tails.tick(step)
+                    # the loop reads one step ahead: the row prefetch plans the next step's rows now
+                    batches, following = following, next_batches(step + 1)
+                    loss_sum = run.train_step(step, batches, following)
+                    tails.tick(step)  # this rank's rows: updated in place, gathers in flight or not
                 rec.progress(step + 1)
                 if cfg.log_train_loss or setup.device.type == "cpu" or (step + 1) % PRINT_EVERY == 0:
                     if setup.world_size > 1:
@@ -631,6 +716,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         # on the clock: the final windows (no YaRN re-application), the val batches, the canonical
         # mask, the tail-average ship
         loader.close()
+        run.flush()  # the last step's deferred gathers and fp8 refresh, before the ship reads the weights
         run.set_windows(schedule.final_windows(), yarn=False)
         final_batches = run.val_batches(val_glob)
         canonical_mask = collect_canonical_mask(cfg, setup, mask_build)

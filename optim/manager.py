@@ -152,7 +152,8 @@ class OptimizerManager:
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], schedule: TrainingSchedule,
                  cfg: OptimConfig = OptimConfig(), table: dict[str, ParamRule] = RECORD_PARAM_TABLE,
                  frozen_matrices: dict[str, Iterable[int]] | None = None,
-                 layout: tuple[int, int] | None = None, keep_grads: bool = False):
+                 layout: tuple[int, int] | None = None, keep_grads: bool = False,
+                 defer_gathers: bool = False):
         """frozen_matrices: bank name -> matrix indices (of the [matrices, rows, cols] view) that get
         lr 0 and so never move. Without it, a bank's own `frozen_matrices` attribute is used (the
         record model marks mlp slot 7, layer 7 having no MLP: matrices 14 and 15).
@@ -160,7 +161,11 @@ class OptimizerManager:
         states without one (model/summary.py --memory); such a manager must not step.
         keep_grads: zero the consumed gradients in place instead of releasing them (`p.grad = None`),
         so the next backward accumulates into the same storage: what a captured backward and update
-        need (train_gpt.Run). The values are bitwise the same (x + 0 is x)."""
+        need (train_gpt.Run). The values are bitwise the same (x + 0 is x).
+        defer_gathers: the banks' all-gathers leave `step` (see `deferred`): the caller launches
+        them after it (`launch_deferred_gathers`) and waits before the weights are next read
+        (`wait_gathers`), so they overlap whatever runs in between (record #360's deferred
+        gathers; train_gpt waits at the top of the next step, before the forward)."""
         if cfg.bank_optimizer not in ("anvil", "normuon"):
             raise ValueError(f"OptimConfig.bank_optimizer={cfg.bank_optimizer!r}: expected "
                              "'anvil' or 'normuon'")
@@ -194,6 +199,13 @@ class OptimizerManager:
                 raise ValueError(f"{LM_HEAD} {tuple(lm.shape)} must be the transpose of {EMBED} "
                                  f"{tuple(em.shape)} (lm_head is stored transposed)")
         self.split = False
+        # the banks whose all-gather `step` leaves to the caller: gathered straight into the
+        # parameter (unpadded: this rank's rows are updated in place, so own_shard and the tail
+        # averages read the step's values while the gather is in flight)
+        self.deferred: tuple[str, ...] = tuple(
+            n for n in WORK_ORDER if defer_gathers and self.world_size > 1 and n in self.entries
+            and self.entries[n].rule.optim == "bank" and self.entries[n].shard.padded == self.entries[n].shard.n)
+        self._in_flight: list[tuple[str, object]] = []   # launched deferred gathers, in launch order
 
     # --- construction ------------------------------------------------------------------------
     def _make_entry(self, name: str, param: Tensor, rule: ParamRule, frozen: frozenset) -> Entry:
@@ -243,6 +255,7 @@ class OptimizerManager:
 
     def reset(self) -> None:
         """Zero every optimizer state and re-tie embed (after the untimed warmup)."""
+        self.wait_gathers()
         for e in self.entries.values():
             e.state.zero_()
             if e.held is not None:
@@ -364,6 +377,10 @@ class OptimizerManager:
         (zeroed in place with keep_grads, else released); at the split step, then `untie()`.
         untie=False leaves that to the caller (`untie_due`): a captured update must not contain it,
         since it sets host state (the split flag, embed's Adam step count) a replay would skip."""
+        if self._in_flight:
+            raise RuntimeError(f"OptimizerManager.step({step}): the deferred gathers of "
+                               f"{[n for n, _ in self._in_flight]} were never waited (wait_gathers() "
+                               f"before the weights are read or updated again)")
         if self._loaded != step:
             self.load_scalars(step)
         for e in self.entries.values():
@@ -400,7 +417,8 @@ class OptimizerManager:
                 update(local, grad, entry.state, self._bank_device_scalars(entry))
             else:
                 self._adam(entry, local, grad, step)
-            gathers[name] = self._all_gather(entry, local)
+            if name not in self.deferred:  # deferred: launch_deferred_gathers, after this call
+                gathers[name] = self._all_gather(entry, local)
         # Phase 3: lm_head's gather first (the tied copy needs it), then the rest.
         for name in sorted(gathers, key=lambda n: n != LM_HEAD):
             self._finish_gather(self.entries[name], *gathers[name])
@@ -417,6 +435,32 @@ class OptimizerManager:
         # capture check runs it thrice from the same state); the next load_scalars moves it on
         if untie and self.untie_due(step):
             self.untie()
+
+    # --- deferred gathers (defer_gathers) --------------------------------------------------------
+    def launch_deferred_gathers(self, step: int) -> None:
+        """Launch the all-gathers `step(step)` left out (`deferred` banks due at `step`), in work
+        order, without waiting: the shards hold the step's update in place, the gather fills in
+        the other ranks' rows. Run it right after `step` (outside a captured update: the gather
+        is waited outside it too)."""
+        for name in self.deferred:
+            entry = self.entries[name]
+            if self.updates_at(entry, step):
+                work, _ = self._all_gather(entry, entry.shard.local(entry.view))
+                self._in_flight.append((name, work))
+
+    def wait_gathers(self) -> list[str]:
+        """Wait for the launched deferred gathers (on CUDA the current stream waits, not the
+        host); returns their names (empty when none was in flight)."""
+        names = []
+        for name, work in self._in_flight:
+            work.wait()
+            names.append(name)
+        self._in_flight.clear()
+        return names
+
+    @property
+    def gathers_in_flight(self) -> bool:
+        return bool(self._in_flight)
 
     def _clear_grad(self, param: Tensor) -> None:
         if not self.keep_grads:
@@ -478,6 +522,7 @@ class OptimizerManager:
     def untie(self) -> None:
         """Copy lm_head's Adam moments (gathered, transposed, resharded) into embed's; from now on
         embed has its own gradient and update (record #360: after step 1175's tied update)."""
+        self.wait_gathers()
         lm, em = self.entries[LM_HEAD], self.entries[EMBED]
         em.state.step = lm.state.step
         for key in ("exp_avg", "exp_avg_sq"):
@@ -505,6 +550,7 @@ class OptimizerManager:
 
     def gather_param(self, name: str) -> None:
         """Rebuild the full parameter on every rank from each rank's own shard."""
+        self.wait_gathers()
         entry = self.entries[name]
         if self.world_size == 1 or entry.shard is None:
             return
@@ -540,6 +586,8 @@ class NgramRowOptimizer:
         events = sum(1 for s in range(schedule.total_steps) if schedule.is_table_event(s))
         self.state = RowAdamState.zeros(rows_per_rank, device=shard.device, capacity=events)
         self._held: list[tuple[RowPlan, Tensor]] = []     # this cycle's (plan, (U_k, D) fp32)
+        self.version = 0  # bumped whenever the table's rows change here (events, reset): rows
+                          # pulled ahead are valid while it stands (train_gpt's row prefetch)
 
     def accumulate(self, plan: RowPlan, sink_grad: Tensor) -> None:
         """Hold one step's gradient rows, merged per distinct row of the plan."""
@@ -560,8 +608,10 @@ class NgramRowOptimizer:
         rows, sums = self.exchange.push(self._held, self.shard.size(1))     # (M,), (M, D)
         row_sparse_adam_event(self.shard, self.state, rows, sums, **self.manager.ngram_event_hparams(step))
         self._held.clear()
+        self.version += 1
         return True
 
     def reset(self) -> None:
         self.state.zero_()
         self._held.clear()
+        self.version += 1

@@ -175,24 +175,25 @@ class RowExchange:
         """The plan's rows, (N, D) in the shard's dtype, bit-exact copies: each owner index-selects
         the rows asked of it and one all_to_all_single (host-known splits) returns them; the asker
         then expands its distinct rows to the N requested positions. out: an (N, D) buffer to
-        expand into (a static buffer a captured step reads), returned; else a fresh tensor."""
+        expand into (a static buffer a captured step reads), returned; else a fresh tensor.
+        `start_pull(...).finish(out)`, waited at once."""
+        return self.start_pull(table_shard, plan).finish(out)
+
+    def start_pull(self, table_shard: Tensor, plan: RowPlan) -> "PendingPull":
+        """The exchange of `pull`, launched and not waited (async_op): its `finish` waits and
+        expands. What the table holds now is what `finish` returns, so nothing may write the
+        table's rows in between (train_gpt's row prefetch pulls a step ahead only across steps
+        that are not table events)."""
         self._check(plan)
         if table_shard.dim() != 2 or table_shard.size(0) != self.rows_per_rank:
             raise ValueError(f"RowExchange.pull: table_shard must be [rows_per_rank={self.rows_per_rank}, D], "
                              f"got {tuple(table_shard.shape)}")
         answers = table_shard.index_select(0, plan.served_dev)              # (S, D): by asker
         if self.world_size == 1:
-            rows = answers                                                  # (U, D)
-        else:
-            rows = table_shard.new_empty((plan.unique.size, table_shard.size(1)))  # (U, D): by owner = sorted
-            dist.all_to_all_single(rows, answers, list(plan.ask_counts), list(plan.serve_counts))
-        if out is None:
-            return rows.index_select(0, plan.inverse_dev)                   # (N, D)
-        if out.shape != (plan.inverse_dev.numel(), rows.size(1)) or out.dtype != rows.dtype:
-            raise ValueError(f"RowExchange.pull: out must be {rows.dtype} [{plan.inverse_dev.numel()}, {rows.size(1)}], "
-                             f"got {out.dtype} {tuple(out.shape)}")
-        with torch.no_grad():  # out may be a leaf that requires grad (the step's sink leaf)
-            return torch.index_select(rows, 0, plan.inverse_dev, out=out)
+            return PendingPull(plan, answers, None, answers)                # (U, D)
+        rows = table_shard.new_empty((plan.unique.size, table_shard.size(1)))  # (U, D): by owner = sorted
+        work = dist.all_to_all_single(rows, answers, list(plan.ask_counts), list(plan.serve_counts), async_op=True)
+        return PendingPull(plan, rows, work, answers)
 
     def push(self, held: Sequence[tuple[RowPlan, Tensor]], dim: int) -> tuple[Tensor, Tensor]:
         """A table event's gradient exchange (a collective on world_size > 1).
@@ -221,6 +222,33 @@ class RowExchange:
         sums = torch.zeros((routes.rows.size, dim), dtype=torch.float32, device=self.device)  # (M, D)
         sums.index_add_(0, merge_index, received)
         return rows, sums
+
+
+class PendingPull:
+    """A launched row pull (RowExchange.start_pull): the distinct rows arriving in `rows` (U, D)."""
+
+    def __init__(self, plan: RowPlan, rows: Tensor, work, answers: Tensor):
+        self.plan, self.rows, self._work = plan, rows, work
+        self._answers = answers  # the send buffer stays alive until the exchange is waited
+
+    def wait(self) -> None:
+        """Wait for the exchange (on CUDA the current stream waits; the host does not)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work, self._answers = None, None
+
+    def finish(self, out: Tensor | None = None) -> Tensor:
+        """Wait, then the plan's N rows: expanded into `out` (an (N, D) buffer, returned) or a
+        fresh tensor."""
+        self.wait()
+        plan, rows = self.plan, self.rows
+        if out is None:
+            return rows.index_select(0, plan.inverse_dev)                   # (N, D)
+        if out.shape != (plan.inverse_dev.numel(), rows.size(1)) or out.dtype != rows.dtype:
+            raise ValueError(f"RowExchange.pull: out must be {rows.dtype} [{plan.inverse_dev.numel()}, {rows.size(1)}], "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        with torch.no_grad():  # out may be a leaf that requires grad (the step's sink leaf)
+            return torch.index_select(rows, 0, plan.inverse_dev, out=out)
 
 
 @dataclass(frozen=True, eq=False)

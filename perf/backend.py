@@ -24,6 +24,10 @@ can be overridden with environment variables (read once, at first use):
     SPEEDRUN_FUSED_QKV=0|1       the fused RMS-norm / e4m3 / QKV / rotary path (the Triton kernels with
                                  SPEEDRUN_TRITON=1, their portable twins otherwise)
     SPEEDRUN_SHARDED_PREFIX=0|1  the prefix table built one slice per rank and all-gathered
+    SPEEDRUN_DEFERRED_GATHERS=0|1  the banks' all-gathers launched after the captured update and waited
+                                 at the next step's top, before the forward (several ranks)
+    SPEEDRUN_ROW_PREFETCH=0|1    the next step's n-gram rows pulled at this step's top, across this
+                                 step's forward and backward (steps that are not table events)
 
 A record run never falls back silently: `require_fast_path` lists everything the record needs that
 this backend lacks, and the record preset stops with that message.
@@ -56,6 +60,8 @@ class Backend:
     pinned_batches: bool = True  # pinned host ring + side-stream batch copies
     fused_qkv: bool = True  # fused RMS-norm / e4m3 / QKV GEMM epilogue / rotary
     sharded_prefix: bool = True  # prefix table: one slice per rank, all-gathered
+    deferred_gathers: bool = True  # bank all-gathers waited at the next step's top
+    row_prefetch: bool = True  # the next step's n-gram rows pulled during this step
 
     @property
     def is_fast_path(self) -> bool:
@@ -105,6 +111,8 @@ def detect(env=os.environ, device: str | None = None) -> Backend:
         pinned_batches=_env_flag(env, "SPEEDRUN_PINNED_BATCHES", overlap),
         fused_qkv=_env_flag(env, "SPEEDRUN_FUSED_QKV", overlap),
         sharded_prefix=_env_flag(env, "SPEEDRUN_SHARDED_PREFIX", overlap),
+        deferred_gathers=_env_flag(env, "SPEEDRUN_DEFERRED_GATHERS", overlap),
+        row_prefetch=_env_flag(env, "SPEEDRUN_ROW_PREFETCH", overlap),
     )
 
 

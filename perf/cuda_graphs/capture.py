@@ -455,11 +455,20 @@ def train_steps(config: str, steps: int, graphed: bool, seed: int = 0):
             run.graphs.freeze()
         schedule, cfg = run.schedule, run.cfg
         losses = []
-        for step in range(min(steps, schedule.total_steps)):
+        end = min(steps, schedule.total_steps)
+
+        def batches(step: int) -> list | None:
+            if step >= end:
+                return None
             tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
-            batches = [dummy_batch(tokens, schedule.doc_cap(step), seed=1000 * step + r, **run.hash_sizes)
-                       for r in run.setup.virtual_ranks]
-            losses.append(run.train_step(step, batches).item())
+            return [dummy_batch(tokens, schedule.doc_cap(step), seed=1000 * step + r, **run.hash_sizes)
+                    for r in run.setup.virtual_ranks]
+
+        following = batches(0)
+        for step in range(end):
+            current, following = following, batches(step + 1)  # one ahead, as the loop (row prefetch)
+            losses.append(run.train_step(step, current, following).item())
+        run.flush()  # the last update's fp8 refresh
     state = {name: t.detach().to("cpu", copy=True) for name, t in run_state(run) if t is not None}
     return losses, state, run.graphs
 

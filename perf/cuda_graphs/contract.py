@@ -38,14 +38,16 @@ perf/cuda_graphs/capture.py captures and replays them):
   accumulating into the persistent `.grad`s. The row plan, the row pull (an all_to_all with host-
   planned sizes) and the sink gradient's per-row merge (its size is the batch's distinct rows) stay
   outside, before and after it.
-* "optimizer", keyed by `OptimizerManager.phase(step)` and the fp8 refresh mode (the first 16
-  refreshes use exact weight scales): `manager.step(step, untie=False)` then
-  `model.refresh_fp8(exact)`, reading the per-step hyperparameters from device scalars that
-  `manager.load_scalars(step)` fills outside it; the refresh count
-  (`model.next_fp8_refresh_exact()`) and the one-off untie (host state: the split flag) run
-  outside it too.
+* "optimizer", keyed by `OptimizerManager.phase(step)`: `manager.step(step, untie=False)`,
+  reading the per-step hyperparameters from device scalars that `manager.load_scalars(step)`
+  fills outside it. The banks' deferred all-gathers (SPEEDRUN_DEFERRED_GATHERS) are launched
+  after it and waited at the next `Run.flush`, outside any region: a collective captured in a
+  graph must be waited in it. The one-off untie (host state: the split flag) runs outside too.
   The n-gram table event (`ngram_opt.step`) stays outside: its all_to_all sizes and its row count
   change from event to event.
+* "fp8_refresh", keyed by the refresh mode (the first 16 refreshes use exact weight scales):
+  `model.refresh_fp8(exact)`, run by `Run.flush` at the next step's top, after the gathers; the
+  refresh count (`model.next_fp8_refresh_exact()`, host state) is taken after the update.
 """
 from __future__ import annotations
 
@@ -426,15 +428,23 @@ def check_run(run, steps: int, start: int = 0, checker: ContractChecker | None =
     schedule, cfg = run.schedule, run.cfg
     previous = run.run_region
     run.run_region = checker.run_region
+    end = min(start + steps, schedule.total_steps)
+
+    def batches(step: int) -> list | None:
+        if step >= end:
+            return None
+        tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
+        if loader is not None:
+            return loader.next_batches(tokens, schedule.doc_cap(step))
+        return [dummy_batch(tokens, schedule.doc_cap(step), seed=1000 * step + r, **run.hash_sizes)
+                for r in run.setup.virtual_ranks]
+
     try:
-        for step in range(start, min(start + steps, schedule.total_steps)):
-            tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
-            if loader is not None:
-                batches = loader.next_batches(tokens, schedule.doc_cap(step))
-            else:
-                batches = [dummy_batch(tokens, schedule.doc_cap(step), seed=1000 * step + r, **run.hash_sizes)
-                           for r in run.setup.virtual_ranks]
-            run.train_step(step, batches)
+        following = batches(start)
+        for step in range(start, end):
+            current, following = following, batches(step + 1)  # one ahead, as the loop (row prefetch)
+            run.train_step(step, current, following)
+        run.flush()  # the last update's refresh region is checked too
     finally:
         run.run_region = previous
     return checker

@@ -142,7 +142,7 @@ def test_smoke_steps_graphed_bitwise_like_eager():
 
     text, code = capture.graphed_vs_eager("smoke", 6)
     assert code == 0 and "PASS" in text, text
-    assert "forward_backward 1, optimizer 2" in text and "bitwise; replays 24" in text, text
+    assert "forward_backward 1, fp8_refresh 1, optimizer 2" in text and "bitwise; replays 32" in text, text
 
 
 def test_graphed_vs_eager_reports_a_difference(monkeypatch):
@@ -282,9 +282,9 @@ def test_warmup_plan_visits_every_repeated_key_twice(preset):
     rank = build_rank_on_meta(RUN_PRESETS[preset], 1)   # the run's manager and schedule, on "meta"
     schedule, manager = rank.schedule, rank.manager
 
-    def keys(step):   # what Run.region_keys computes (geometry; optimizer phase and fp8 refresh mode)
+    def keys(step):   # what Run.region_keys computes (geometry; optimizer phase; fp8 refresh mode)
         return [("forward_backward", schedule.settings(step).geometry),
-                ("optimizer", (manager.phase_at(step), step + 1 < 16))]
+                ("optimizer", manager.phase_at(step)), ("fp8_refresh", step + 1 < 16)]
 
     for horizon in (None, 9):
         n = horizon or schedule.total_steps

@@ -217,7 +217,8 @@ def test_smoke_training_step_keeps_the_contract(smoke):
     text, code = contract.summary(checker, 3, "smoke")
     assert code == 0, text
     assert text.endswith("PASS: every region keeps the capture contract")
-    assert {region for region, _ in checker.calls} == {"forward_backward", "optimizer"}
+    assert {region for region, _ in checker.calls} == {"forward_backward", "optimizer", "fp8_refresh"}
+    assert checker.calls["fp8_refresh", "True"] == 3  # (key reprs) one refresh per step, the last one by the final flush
     assert max(checker.calls.values()) >= 3
 
 
