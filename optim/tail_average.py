@@ -109,6 +109,7 @@ class TailAverages:
     @torch.no_grad()
     def ship(self) -> None:
         """Write the averages into the weights, gather them, restore the pre-ship norms."""
+        self.manager.wait_gathers()  # a deferred gather still in flight would overwrite the ship
         params = {name: self.manager.entries[name].param for name in DECONTRACTION_NAMES}
         before = [params[n].data.float().norm().item() for n in DECONTRACTION_NAMES]
         shipped: list[str] = []

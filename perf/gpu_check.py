@@ -768,13 +768,9 @@ def _cuda_graphs_results(ctx: Context) -> list[Result]:
         graphs.run("forward_backward", s.geometry, forward_backward)
         rows.grad.zero_()
         manager.load_scalars(step)
-        exact = model.next_fp8_refresh_exact()
-
-        def update():
-            manager.step(step, untie=False)
-            model.refresh_fp8(exact)
-
-        graphs.run("optimizer", (manager.phase(step), exact), update)
+        graphs.run("optimizer", manager.phase(step), lambda: manager.step(step, untie=False))
+        exact = model.next_fp8_refresh_exact()  # train_gpt: Run.flush, at the next step's top
+        graphs.run("fp8_refresh", exact, lambda: model.refresh_fp8(exact))
 
     step_once()  # warm-up calls
     step_once()  # capture and check
@@ -785,11 +781,11 @@ def _cuda_graphs_results(ctx: Context) -> list[Result]:
         captured = graphs.graphs[(report.region, report.key)]
         if report.region == "forward_backward":
             eager = forward_backward
-        else:
-            _, exact = report.key
-
+        elif report.region == "optimizer":
             def eager():
                 manager.step(step, untie=False)
+        else:
+            def eager(exact=report.key):
                 model.refresh_fp8(exact)
         results.append(Result(
             "cuda_graphs", f"{r.preset} {report.region}, {batch.inputs.numel()} tokens, P={s.softmax_p}, eager model",

@@ -283,16 +283,16 @@ def _sync_in_optimizer(monkeypatch):
 
 
 def _sync_in_row_exchange(monkeypatch):
-    from optim.row_exchange import RowExchange
+    from optim.row_exchange import PendingPull
 
-    original = RowExchange.pull
+    original = PendingPull.finish
 
-    def pull(self, table_shard, plan, out=None):
-        rows = original(self, table_shard, plan, out=out)
+    def finish(self, out=None):  # every pull of a training step ends here, prefetched or not
+        rows = original(self, out=out)
         bool(rows.isnan().any())  # INJECTED SYNC row exchange
         return rows
 
-    monkeypatch.setattr(RowExchange, "pull", pull)
+    monkeypatch.setattr(PendingPull, "finish", finish)
 
 
 @pytest.mark.parametrize("inject, where", [(_sync_in_forward, "forward"), (_sync_in_optimizer, "optimizer"),
