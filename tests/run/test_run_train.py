@@ -326,10 +326,10 @@ def test_sync_check_passes_a_clean_run(tmp_path, shards):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_overlap_on_and_off_train_bitwise_alike(tmp_path, shards):
-    """Every overlap piece on (the default: pinned batch ring, fused QKV path, sharded prefix table)
-    and all off (SPEEDRUN_OVERLAP=0), on 1 process and on 2 gloo ranks: the same logged train losses
+    """Every overlap piece on (the default: pinned batch ring, fused QKV path, sharded prefix table,
+    deferred bank gathers, row prefetch) and all off (SPEEDRUN_OVERLAP=0), on 1 process and on 2 gloo ranks: the same logged train losses
     and the same final val loss to the last bit (a full-precision float in runs.jsonl, a function of
-    every weight after the steps)."""
+    every weight after the steps). Then 2 ranks with everything on and the regions graphed."""
     common = ["--data-path", str(shards), "--no-warmup", "--val-every", "0", "--val-tokens", "8192", "--seed", "0",
               "--max-steps", "3", "--log-train-loss"]
     results = {}
@@ -342,3 +342,13 @@ def test_overlap_on_and_off_train_bitwise_alike(tmp_path, shards):
     for nproc in (1, 2):
         assert len(results[nproc, "1"][0]) == 3
         assert results[nproc, "1"] == results[nproc, "0"], (nproc, results)
+    # and on 2 ranks with the warmup's captures replayed (the CPU twin of CUDA graphs): the deferred
+    # gathers and the prefetched pulls run eagerly between graphs, the fp8 refresh in its own graph
+    records = tmp_path / "nproc2-graphed"
+    _torchrun(2, *[a for a in common if a != "--no-warmup"], "--records-dir", str(records),
+              env={"SPEEDRUN_OVERLAP": "1", "SPEEDRUN_CUDA_GRAPHS": "1"})
+    (entry,) = _runs(records)
+    assert (_train_losses(entry["log_path"]), entry["val_loss"]) == results[2, "0"]
+    log = open(entry["log_path"]).read()
+    assert re.search(r"cuda graphs: graphs captured: forward_backward \d+, fp8_refresh \d+, optimizer \d+; "
+                     r"replay vs eager: (\d+)/\1 tensors bitwise", log), log[-3000:]
