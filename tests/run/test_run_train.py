@@ -327,9 +327,10 @@ def test_sync_check_passes_a_clean_run(tmp_path, shards):
 @pytest.mark.slow
 def test_overlap_on_and_off_train_bitwise_alike(tmp_path, shards):
     """Every overlap piece on (the default: pinned batch ring, fused QKV path, sharded prefix table,
-    deferred bank gathers, row prefetch) and all off (SPEEDRUN_OVERLAP=0), on 1 process and on 2 gloo ranks: the same logged train losses
-    and the same final val loss to the last bit (a full-precision float in runs.jsonl, a function of
-    every weight after the steps). Then 2 ranks with everything on and the regions graphed."""
+    deferred bank gathers, row prefetch) and all off (SPEEDRUN_OVERLAP=0), on 1 process and on 2
+    gloo ranks: the same logged train losses and the same final val loss to the last bit (a
+    full-precision float in runs.jsonl, a function of every weight after the steps). Then 2 ranks
+    with everything on and the regions graphed."""
     common = ["--data-path", str(shards), "--no-warmup", "--val-every", "0", "--val-tokens", "8192", "--seed", "0",
               "--max-steps", "3", "--log-train-loss"]
     results = {}
