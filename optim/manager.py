@@ -28,6 +28,10 @@ communication order of record #360 (record_360.md §3, §7; modules §10).
   copy (phase 3). Collectives are asynchronous (async_op=True) so later launches overlap earlier
   work. Gloo (CPU) and NCCL both support the reduce-scatter, all-gather and AVG used here (checked
   on torch 2.13 gloo); no PREMUL_SUM, no fp8 tensors.
+* Deferred gathers (defer_gathers, record #360): the banks' all-gathers leave `step`; the caller
+  launches them after it (`launch_deferred_gathers`) and waits before the banks are next read
+  (`wait_gathers`; train_gpt.Run.flush at the next step's top), so they run under whatever comes
+  between. Each rank's own matrices are updated in place, so its own rows are final meanwhile.
 
 The n-gram table is not a parameter: `NgramRowOptimizer` (below) runs its row-sparse Adam on the
 rank's contiguous row shard, from each step's (row plan, sink gradient); optim/row_exchange.py
