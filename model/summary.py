@@ -44,7 +44,7 @@ from model.gpt import GPT, StepArgs
 from optim.manager import NgramRowOptimizer, OptimizerManager
 from optim.schedule import StepSettings, StepWeights, TrainingSchedule
 from optim.tail_average import TailAverages
-from perf.backend import use_backend
+from perf.backend import current as current_backend, use_backend
 
 GIB = 2 ** 30
 
@@ -346,6 +346,7 @@ class StepMemory:
     tokens: int  # per virtual rank
     inputs: int  # the step's inputs on the device: batch, pulled n-gram rows, row plan, candidates
     held_ngram: int  # upper bound: n-gram gradient rows held until the next table event
+    prefetch: int  # the next step's row pulls in flight during this step (SPEEDRUN_ROW_PREFETCH)
     saved: int  # tensors saved for the backward (new in the forward, unique storages)
     saved_tensors: list[TensorInfo]
     forward_peak: int  # live activations at the forward's worst moment (saved so far + temporaries)
@@ -358,7 +359,7 @@ class StepMemory:
 
     @property
     def total(self) -> int:
-        return self.inputs + self.held_ngram + self.activation_peak
+        return self.inputs + self.held_ngram + self.prefetch + self.activation_peak
 
 
 def geometries(schedule: TrainingSchedule) -> list[tuple[StepSettings, list[int]]]:
@@ -426,7 +427,11 @@ def step_memory(rank: RankOnMeta, settings: StepSettings, steps: list[int], flas
     # held during a forward, cycle = 4 steps from table_period4_step on, else 2
     cycle = 4 if any(rank.schedule.table_period4(s) for s in steps) else 2
     held = ((cycle - 1) * rank.accum + rank.accum - 1) * 2 * T * D * 4
-    return StepMemory(settings, len(steps), T, sum(map(nbytes, inputs)), held, sum(i.bytes for i in saved.values()),
+    # the row prefetch (train_gpt.Run.prefetch) holds the next step's pulls across this forward and
+    # backward, per virtual rank: the rows received (U <= 2T distinct, bf16) and, on several
+    # ranks, the rows this rank serves the others (2T on average), at this geometry's T
+    pulls = (1 if rank.world_size == 1 else 2) * rank.accum * 2 * T * D * 2 if current_backend().row_prefetch else 0
+    return StepMemory(settings, len(steps), T, sum(map(nbytes, inputs)), held, pulls, sum(i.bytes for i in saved.values()),
                       sorted(saved.values(), key=lambda i: -i.bytes), tracker.peak(0, forward_end),
                       tracker.peak(forward_end, backward_end, grads), tracker.temporaries(0, forward_end))
 
@@ -475,18 +480,19 @@ def format_memory(report: MemoryReport, top: int = 6) -> str:
               "the fast path's Triton kernels save other things (the fp8 MLP a copy of post8ᵀ, a view here); "
               "the CE's fp32 slabs are the portable twin's (the kernel streams):",
               f"  {'first step':>10} {'steps':>5} {'tokens':>7} {'P':>6} {'MTP':>3} {'prefix':>6} {'windows':>8} "
-              f"{'inputs':>7} {'n-gram≤':>8} {'saved':>7} {'fwd pk':>7} {'bwd pk':>7} {'step':>7}"]
+              f"{'inputs':>7} {'n-gram≤':>8} {'ahead':>7} {'saved':>7} {'fwd pk':>7} {'bwd pk':>7} {'step':>7}"]
     for s in report.steps:
         st = s.settings
         lines.append(f"  {st.step:>10} {s.steps:>5} {s.tokens:>7,} {st.softmax_p or 'V':>6} {len(st.mtp_weights):>3} "
                      f"{'on' if st.prefix_weight else 'off':>6} {str((st.ws_short, st.ws_long)):>8} "
-                     f"{_gib(s.inputs):>7} {_gib(s.held_ngram):>8} {_gib(s.saved):>7} {_gib(s.forward_peak):>7} "
+                     f"{_gib(s.inputs):>7} {_gib(s.held_ngram):>8} {_gib(s.prefetch):>7} {_gib(s.saved):>7} {_gib(s.forward_peak):>7} "
                      f"{_gib(s.backward_peak):>7} {_gib(s.total):>7}")
     lines += ["  inputs: the batch, its pulled n-gram rows [2T, D] bf16, the row plan, the candidates; n-gram≤: the "
               "gradient rows NgramRowOptimizer holds until the next table event, bounded by 2T distinct rows; "
-              "saved: what autograd keeps for the backward (unique storages); fwd/bwd pk: the most activation "
+              "ahead: the next step's n-gram rows pulled during this one (SPEEDRUN_ROW_PREFETCH; rows received, "
+              "U ≤ 2T, and on several ranks the rows served, 2T on average); saved: what autograd keeps for the backward (unique storages); fwd/bwd pk: the most activation "
               "memory alive at once (saved + temporaries; parameter gradients are in static); step: inputs + "
-              "n-gram≤ + the larger peak. Saved storages are told apart by untyped_storage()._cdata (views "
+              "n-gram≤ + ahead + the larger peak. Saved storages are told apart by untyped_storage()._cdata (views "
               "count once)"]
     w = report.worst
     lines += ["", f"largest tensors saved for the backward at step {w.settings.step} (the worst geometry), "

@@ -93,7 +93,7 @@ def test_live_storages_peak_of_a_known_sequence():
 
 def test_record_at_8_ranks_fits_60_gib(record_report):
     """The record preset per rank, 8 ranks: static 17.2 GiB (15.13 of it the n-gram shard), the worst
-    step (1107, full softmax over 40,960 tokens) 22.0 GiB, peak estimate 39.2 GiB (record #360 logged
+    step (1107, full softmax over 40,960 tokens) 20.8 GiB, peak estimate 38.0 GiB (record #360 logged
     53,424 MiB = 52.2 GiB allocated; ours was 52.5 GiB with fp32 logits and an fp32 σ saved). The
     step saves the e4m3 logits [40960, 50304], 1.92 GiB, and nothing fp32 at that size."""
     r = record_report
@@ -101,6 +101,8 @@ def test_record_at_8_ranks_fits_60_gib(record_report):
     assert items["n-gram table shard"] == 10_575_360 * 768 * 2
     assert 15.13 * GIB < r.static_bytes < 18 * GIB
     assert r.worst.settings.step == 1107 and r.worst.settings.softmax_p == 0
+    # the row prefetch: the next step's rows received and served, [2T, D] bf16 each, T = 40,960
+    assert r.worst.prefetch == 2 * (2 * 40960) * 768 * 2
     assert r.peak_bytes <= 60 * GIB
     widest = max(r.worst.saved_tensors, key=lambda i: i.bytes)
     assert widest.shape == (40960, 50304) and widest.bytes == 40960 * 50304  # the e4m3 logits, 1 byte each
