@@ -102,8 +102,9 @@ class Context:
         return tiny if self.dry_run else record
 
     def time_ms(self, fn: Callable[[], object]) -> float:
-        """Median milliseconds of fn(): CUDA events on a GPU, perf_counter on the CPU (dry run: one repeat)."""
-        repeats, warmup = (1, 1) if self.dry_run else (self.repeats, self.warmup)
+        """Median milliseconds of fn(): CUDA events on a GPU, perf_counter on the CPU (dry run: one call, no
+        warm-up call: its numbers only show the plumbing runs)."""
+        repeats, warmup = (1, 0) if self.dry_run else (self.repeats, self.warmup)
         for _ in range(warmup):
             fn()
         times = []
