@@ -50,10 +50,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from perf.cuda_graphs.contract import _LIFT_OPS  # torch.tensor(...) inside a region: a Python-made constant
+from perf.cuda_graphs.contract import OpRecordingMode
 from perf.cuda_graphs.contract import storage_ptr as _storage_ptr
 
 # Largest |graphed - eager| allowed, relative to max |eager| of the tensor, on CUDA: two eager
@@ -111,16 +111,12 @@ class _TapeOp:
     fresh: list        # (index in the flattened outputs, storage number) of each freshly allocated output
 
 
-class _TapeMode(TorchDispatchMode):
+class _TapeMode(OpRecordingMode):
     """Runs and records every aten op (see TapeGraph.capture)."""
 
     def __init__(self, tape: "TapeGraph"):
         super().__init__()
         self.tape = tape
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # off while dynamo traces, on while compiled graphs run
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

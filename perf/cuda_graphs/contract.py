@@ -181,16 +181,22 @@ def _pageable_copy(func, args, kwargs) -> str | None:
     return None if pinned else f"{src.device} (pageable) -> {torch.device(dst_device)}"
 
 
-class _RegionMode(TorchDispatchMode):
+class OpRecordingMode(TorchDispatchMode):
+    """A dispatch mode that sees a region's aten ops as they run: eager ops and the ops of compiled
+    (aot_eager) graphs, but not dynamo's tracing of them, which runs no kernel a graph would hold.
+    The contract checker and the CPU capture twin (capture.py) both record through one."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # off while dynamo traces, on while compiled graphs run
+
+
+class _RegionMode(OpRecordingMode):
     """Records every aten op of one region call (see RegionCall) and flags host syncs."""
 
     def __init__(self, checker: "ContractChecker", call: RegionCall):
         super().__init__()
         self.checker, self.call = checker, call
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # off while dynamo traces, on while compiled graphs run
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
