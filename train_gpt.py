@@ -258,6 +258,13 @@ class Run:
         if exact is not None:
             self.run_region("fp8_refresh", exact, lambda: self.model.refresh_fp8(exact))
 
+    def close(self) -> None:
+        """Before destroy_process_group: no gather in flight, and no graph left holding the
+        communicator (see RegionGraphs.release)."""
+        self.manager.wait_gathers()
+        if self.graphs is not None:
+            self.graphs.release()
+
     def upload(self, host_batch, softmax_p: int, sampler: CandidateSampler | None = None, static: bool = False,
                plan=None):
         """The host batch on the device, its n-gram row plan and its sampled-softmax candidates.
@@ -642,6 +649,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
             val_loss = run.validate(run.val_batches(val_glob), schedule.final_windows())
             log.print0(format_val_line(step, n, val_loss, 0.0), console=True)
             rec.finish(val_loss=val_loss, train_time_ms=0.0, steps=step)
+            run.close()
             return
 
         # warmup on dummy data at every schedule geometry (compiles them all), then undo it in place
@@ -748,6 +756,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
             folder = save_checkpoint(run, steps, records / "logs", log.run_id)
             log.print0(f"checkpoint saved to {folder}", console=True)
         rec.finish(val_loss=val_loss, train_time_ms=train_ms, steps=steps, peak_memory_mib=peak)
+        run.close()
 
 
 if __name__ == "__main__":

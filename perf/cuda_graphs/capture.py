@@ -90,6 +90,9 @@ class CudaGraph:
     def replay(self) -> None:
         self.graph.replay()
 
+    def release(self) -> None:
+        self.graph.reset()   # its kernels (NCCL's among them) go before the communicator does
+
 
 @dataclass(frozen=True)
 class _Made:
@@ -206,6 +209,10 @@ class TapeGraph:
                 if isinstance(ref, _Made):
                     static.copy_(decode(ref))
 
+    def release(self) -> None:
+        self.ops.clear()   # the recorded arguments: state tensors and, for collectives, the process group
+        self.outputs, self._output_refs = None, []
+
 
 # ----------------------------------------------------------------------------------------------------
 # the capture plan
@@ -297,6 +304,15 @@ class RegionGraphs:
 
     def freeze(self) -> None:
         """The warmup is over: no capture from here on."""
+        self.capturing = False
+
+    def release(self) -> None:
+        """Drops every graph and what it recorded; call it before destroy_process_group. A graph
+        that captured collectives uses the communicator: NCCL wants such graphs destroyed before
+        their communicator, and the CPU twin's tape holds the process group itself."""
+        for captured in self.graphs.values():
+            captured.graph.release()
+        self.graphs.clear()
         self.capturing = False
 
     def pending(self) -> list[tuple[str, object]]:

@@ -100,6 +100,26 @@ def test_eager_keys_never_capture():
     assert "eager by plan (met once per run): optimizer 'once'" in graphs.summary()
 
 
+def test_release_drops_every_graph_and_what_it_recorded():
+    """RegionGraphs.release (before destroy_process_group) lets go of the tensors (and, for
+    collectives, the process group) a graph recorded: none stays alive through the graphs."""
+    import functools
+    import weakref
+    state = torch.ones(4)
+    graphs = RegionGraphs(TapeGraph, lambda: [("state", state)])
+    outside = torch.full((4,), 2.0)   # read by the region; after the runs, held by the tape alone
+    alive = weakref.ref(outside)
+    region = functools.partial(torch.Tensor.mul_, state, outside)
+    del outside
+    for _ in range(3):
+        graphs.run("optimizer", "k", region)
+    del region
+    assert ("optimizer", "k") in graphs.graphs and torch.equal(state, torch.full((4,), 8.0))
+    assert alive() is not None
+    graphs.release()
+    assert alive() is None and not graphs.graphs and not graphs.capturing
+
+
 def test_tape_replays_views_of_its_own_allocations_and_python_constants():
     """Ops that read a view of a tensor made earlier in the region, and a torch.tensor constant
     made by Python (which may land where a freed tensor lived), replay to the same values."""
@@ -190,6 +210,7 @@ WORKER = textwrap.dedent("""
         seen.append(p.clone())
     assert set(graphs.graphs) == {("optimizer", "k")}, graphs.summary()
     torch.save(torch.stack(seen), f"{out}.{rank}")
+    graphs.release()   # the tape holds the process group: released before it is destroyed
     dist.destroy_process_group()
 """)
 
@@ -241,6 +262,7 @@ MISMATCH_WORKER = textwrap.dedent("""
     except GraphMismatch as err:
         message = str(err)
     open(f"{out}.{rank}", "w").write(message)
+    graphs.release()
     dist.destroy_process_group()
 """)
 
