@@ -128,14 +128,30 @@ def _train_losses(log_path):
     return [float(m[1]) for m in re.finditer(r"^step:\d+/\d+ train_loss:([0-9.]+)$", open(log_path).read(), re.M)]
 
 
+THREE_STEPS = ["--no-warmup", "--val-every", "0", "--val-tokens", "8192", "--seed", "0", "--max-steps", "3",
+               "--log-train-loss"]
+
+
+@pytest.fixture(scope="module")
+def three_step_torchruns(tmp_path_factory, shards):
+    """3 smoke steps through torchrun on 1 process and on 2 gloo ranks, the overlap pieces on (the
+    default) and off: {(nproc, "1" | "0"): (runs.jsonl entry, records dir)}. Shared by the layout
+    and the overlap tests (CI time); the 1-process default run also saves its checkpoint."""
+    runs = {}
+    for nproc in (1, 2):
+        for overlap in ("1", "0"):
+            records = tmp_path_factory.mktemp(f"nproc{nproc}-overlap{overlap}")
+            extra = ["--save-checkpoint"] if (nproc, overlap) == (1, "1") else []
+            _torchrun(nproc, "--data-path", str(shards), *THREE_STEPS, *extra, "--records-dir", str(records),
+                      env={"SPEEDRUN_OVERLAP": overlap})
+            (entry,) = _runs(records)
+            runs[nproc, overlap] = entry, records
+    return runs
+
+
 @pytest.mark.distributed
-def test_one_and_two_ranks_train_the_same_and_checkpoints_round_trip(tmp_path, shards):
-    common = ["--data-path", str(shards), "--no-warmup", "--val-every", "0", "--val-tokens", "8192", "--seed", "0",
-              "--max-steps", "3"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    _torchrun(1, *common, "--records-dir", str(one), "--save-checkpoint")
-    _torchrun(2, *common, "--records-dir", str(two))
-    (run1,), (run2,) = _runs(one), _runs(two)
+def test_one_and_two_ranks_train_the_same_and_checkpoints_round_trip(tmp_path, shards, three_step_torchruns):
+    (run1, one), (run2, _) = three_step_torchruns[1, "1"], three_step_torchruns[2, "1"]
     losses1, losses2 = _train_losses(run1["log_path"]), _train_losses(run2["log_path"])
     assert len(losses1) == len(losses2) == 3
     # Same batches, same init; 1 process sums 2 micro-batches where 2 processes average over gloo,
@@ -191,15 +207,24 @@ def test_smoke_run_on_two_ranks_learns(smoke_run):
             f"softmax over {schedule.softmax_p(full_from - 1)} classes); the train_loss values jump up") in out
 
 
+@pytest.fixture(scope="module")
+def eager_three_steps(tmp_path_factory, shards):
+    """3 smoke steps in this process, eager, no warmup: the runs.jsonl entry (the reference of the
+    warmup and the compiled tests)."""
+    records = tmp_path_factory.mktemp("eager-three-steps")
+    _main(records, "--data-path", str(shards), "--max-steps", "3", "--log-train-loss")
+    (entry,) = _runs(records)
+    return entry
+
+
 @pytest.mark.slow
-def test_warmup_then_reset_leaves_no_trace(tmp_path, shards):
+def test_warmup_then_reset_leaves_no_trace(tmp_path, shards, eager_three_steps):
     """The untimed warmup (a step at every schedule geometry, the split included) followed by the
     in-place reset must train exactly like a run without warmup."""
-    common = ["--data-path", str(shards), "--max-steps", "3", "--log-train-loss"]
-    _main(tmp_path / "cold", *common)
     train_gpt.main(["--config", "smoke", "--records-dir", str(tmp_path / "warm"), "--val-every", "0",
-                    "--val-tokens", "8192", "--seed", "0", *common])
-    (cold,), (warm,) = _runs(tmp_path / "cold"), _runs(tmp_path / "warm")
+                    "--val-tokens", "8192", "--seed", "0", "--data-path", str(shards), "--max-steps", "3",
+                    "--log-train-loss"])
+    cold, (warm,) = eager_three_steps, _runs(tmp_path / "warm")
     assert "warming up on dummy data" in open(warm["log_path"]).read()
     assert _train_losses(warm["log_path"]) == _train_losses(cold["log_path"])
     assert warm["val_loss"] == cold["val_loss"]
@@ -239,18 +264,16 @@ def test_compiled_smoke_run_traces_once_and_never_syncs(smoke_run):
     assert "[__recompiles]" not in after_reset and "[__graph_breaks]" not in after_reset, after_reset[:3000]
 
 
-def test_compiled_and_eager_losses_agree_for_three_steps(tmp_path, shards):
+def test_compiled_and_eager_losses_agree_for_three_steps(tmp_path, shards, eager_three_steps):
     from perf import backend as perf_backend
 
-    common = ["--data-path", str(shards), "--max-steps", "3", "--log-train-loss"]
-    _main(tmp_path / "eager", *common)
     torch._dynamo.reset()
     try:
         with perf_backend.use_backend(compile=True, compile_backend="aot_eager", host_checks=False):
-            _main(tmp_path / "compiled", *common)
+            _main(tmp_path / "compiled", "--data-path", str(shards), "--max-steps", "3", "--log-train-loss")
     finally:
         torch._dynamo.reset()
-    (eager,), (compiled,) = _runs(tmp_path / "eager"), _runs(tmp_path / "compiled")
+    eager, (compiled,) = eager_three_steps, _runs(tmp_path / "compiled")
     eager_losses, compiled_losses = _train_losses(eager["log_path"]), _train_losses(compiled["log_path"])
     assert len(compiled_losses) == 3
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-4), (compiled_losses, eager_losses)
@@ -325,29 +348,22 @@ def test_sync_check_passes_a_clean_run(tmp_path, shards):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_overlap_on_and_off_train_bitwise_alike(tmp_path, shards):
+def test_overlap_on_and_off_train_bitwise_alike(tmp_path, shards, three_step_torchruns):
     """Every overlap piece on (the default: pinned batch ring, fused QKV path, sharded prefix table,
     deferred bank gathers, row prefetch) and all off (SPEEDRUN_OVERLAP=0), on 1 process and on 2
     gloo ranks: the same logged train losses and the same final val loss to the last bit (a
     full-precision float in runs.jsonl, a function of every weight after the steps). Then 2 ranks
     with everything on and the regions graphed."""
-    common = ["--data-path", str(shards), "--no-warmup", "--val-every", "0", "--val-tokens", "8192", "--seed", "0",
-              "--max-steps", "3", "--log-train-loss"]
-    results = {}
-    for nproc in (1, 2):
-        for overlap in ("1", "0"):
-            records = tmp_path / f"nproc{nproc}-overlap{overlap}"
-            _torchrun(nproc, *common, "--records-dir", str(records), env={"SPEEDRUN_OVERLAP": overlap})
-            (entry,) = _runs(records)
-            results[nproc, overlap] = (_train_losses(entry["log_path"]), entry["val_loss"])
+    results = {key: (_train_losses(entry["log_path"]), entry["val_loss"])
+               for key, (entry, _) in three_step_torchruns.items()}
     for nproc in (1, 2):
         assert len(results[nproc, "1"][0]) == 3
         assert results[nproc, "1"] == results[nproc, "0"], (nproc, results)
     # and on 2 ranks with the warmup's captures replayed (the CPU twin of CUDA graphs): the deferred
     # gathers and the prefetched pulls run eagerly between graphs, the fp8 refresh in its own graph
     records = tmp_path / "nproc2-graphed"
-    _torchrun(2, *[a for a in common if a != "--no-warmup"], "--records-dir", str(records),
-              env={"SPEEDRUN_OVERLAP": "1", "SPEEDRUN_CUDA_GRAPHS": "1"})
+    _torchrun(2, "--data-path", str(shards), *[a for a in THREE_STEPS if a != "--no-warmup"],
+              "--records-dir", str(records), env={"SPEEDRUN_OVERLAP": "1", "SPEEDRUN_CUDA_GRAPHS": "1"})
     (entry,) = _runs(records)
     assert (_train_losses(entry["log_path"]), entry["val_loss"]) == results[2, "0"]
     log = open(entry["log_path"]).read()
