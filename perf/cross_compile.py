@@ -1,0 +1,384 @@
+"""What an H100 compiles, built on a CPU: every graph of a preset's run cross-compiled to sm_90 cubins.
+
+    python -m perf.cross_compile --config smoke            # every training geometry and validation graph
+    python -m perf.cross_compile --config record --steps 681 --no-validation   # one record geometry
+
+A CPU-only torch with one faked SM90 device (perf/fake_sm90.py: the process re-executes itself with
+a small preloaded library) compiles exactly what a run compiles: the model built as `train_gpt.Run`
+builds it (fp8 weight caches, the optimizer's value-embedding gradient buffer), compiled through
+`perf/compile.py` unchanged (inductor, fullgraph, static shapes), with the fast path's backend
+(Triton kernels, fp8, fused QKV, FA3 through a stand-in op with a shape-only kernel, no host checks).
+Each training geometry of the schedule (`StepSettings.geometry`) compiles forward and backward, as
+its first step would; each validation forward compiles at the windows it will see. Tensors are fake
+(shapes only), so the record's shapes cost no memory. Nothing runs: inductor generates the CUDA
+wrapper and its Triton kernels, and Triton compiles every kernel, the project's included, to an
+sm_90 cubin with its own ptxas.
+
+It prints one row per graph: compile seconds, inductor's Triton kernels, the project's Triton
+kernels, the cubins built, and the extern calls (cuBLAS GEMMs, `_scaled_mm`, FA3). A graph that fails
+to lower is named with the op and inductor's error, and the command exits 1 once every graph was tried.
+
+What this proves, and what only a GPU can: see the README, "Cross-compiling for SM90".
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+EXIT_FAILED = 1
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One compiled graph of a run: a training geometry (forward and backward) or a validation forward."""
+    name: str
+    training: bool
+    step: int  # training: the geometry's first step; validation: the step whose windows it has
+    windows: tuple[int, int]
+    canonical_mask: bool = False
+
+
+def plan_graphs(cfg, steps: list[int] | None = None, backward: bool = True, validation: bool = True) -> list[GraphSpec]:
+    """The graphs a run of `cfg` compiles, in the order the warmup meets them: one per training
+    geometry (or only those of `steps`), then the validation forwards (the windows in force at each
+    intermediate validation, then the final one, with record #92's mask when the preset has it)."""
+    from optim.schedule import TrainingSchedule
+
+    schedule = TrainingSchedule(cfg.schedule)
+    n = schedule.total_steps
+    specs, seen = [], set()
+    wanted = None if steps is None else {schedule.settings(s).geometry for s in steps}
+    for step in range(n):
+        s = schedule.settings(step)
+        if s.geometry in seen or (wanted is not None and s.geometry not in wanted):
+            continue
+        seen.add(s.geometry)
+        tokens = s.batch_tokens // cfg.virtual_world_size
+        name = (f"train step {step}: T={tokens} P={s.softmax_p or 'full'} mtp={len(s.mtp_weights)} "
+                f"prefix={'on' if s.prefix_weight else 'off'} windows={s.ws_short}/{s.ws_long}")
+        specs.append(GraphSpec(name + ("" if backward else " (forward only)"), True, step, (s.ws_short, s.ws_long)))
+    if validation:
+        val_windows = sorted({schedule.windows(max(k - 1, 0)) for k in range(0, n, cfg.val_every)}) \
+            if cfg.val_every else []
+        for windows in val_windows:
+            specs.append(GraphSpec(f"validation windows={windows[0]}/{windows[1]}", False, -1, windows))
+        final = schedule.final_windows()
+        specs.append(GraphSpec(f"final validation windows={final[0]}/{final[1]}"
+                               + (" canonical mask" if cfg.canonical_mask else ""), False, n, final, cfg.canonical_mask))
+    return specs
+
+
+# ------------------------------------------------------------------------------------------------
+# What each compiled graph holds, read off inductor's generated wrapper
+
+
+@dataclass
+class GraphReport:
+    spec: GraphSpec
+    seconds: float = 0.0
+    inductor_kernels: int = 0
+    project_kernels: int = 0
+    cubins: int = 0
+    extern_calls: int = 0
+    extern_names: tuple[str, ...] = ()
+    error: str | None = None
+
+
+TRITON_DEF = re.compile(r"async_compile\.triton\('(\w+)'")
+EXTERN_CALL = re.compile(r"\b(extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(")
+
+
+def count_wrapper(sources: list[str], report: GraphReport) -> None:
+    """Kernels and extern calls of the wrappers inductor generated for one graph (forward, backward)."""
+    names = [m for src in sources for m in TRITON_DEF.findall(src)]
+    report.inductor_kernels = sum(name.startswith("triton_") for name in names)  # inductor names its own so
+    report.project_kernels = len(names) - report.inductor_kernels  # user kernels keep their names
+    calls = [m for src in sources for m in EXTERN_CALL.findall(src)]
+    report.extern_calls = len(calls)
+    report.extern_names = tuple(sorted(set(calls)))
+
+
+def failing_op(exc: BaseException) -> str:
+    """The op inductor names in a lowering error ('target: aten._scaled_mm.default'), else the
+    exception's type."""
+    text = str(exc)
+    match = re.search(r"target: ([\w.:]+)", text)
+    if match:
+        return match.group(1)
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and cause is not exc:
+        inner = failing_op(cause)
+        if inner != type(cause).__name__:
+            return inner
+    return type(exc).__name__
+
+
+def first_lines(exc: BaseException, n: int = 6) -> str:
+    return "\n".join(str(exc).strip().splitlines()[:n])
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiling one graph without running it
+
+
+class WrapperCapture:
+    """The wrapper source of every graph inductor turns into a module, in order."""
+
+    def __init__(self):
+        self.sources: list[str] = []
+
+    def install(self) -> None:
+        from torch._inductor.graph import GraphLowering
+
+        original = GraphLowering._compile_to_module_lines
+        capture = self
+
+        def compile_to_module_lines(self, wrapper_code):
+            capture.sources.append(wrapper_code.value)
+            return original(self, wrapper_code)
+
+        GraphLowering._compile_to_module_lines = compile_to_module_lines
+
+
+def compile_without_running(compiled_module, args: tuple, contexts=()) -> None:
+    """Compile `compiled_module(*args)` (a `torch.compile`d nn.Module) as its first call would:
+    dynamo, AOT autograd (the backward lowered now, not at the first backward) and the module's own
+    backend, and do not run it (dynamo's ahead-of-time path, what `OptimizedModule._aot_compile` does
+    for one input)."""
+    import torch
+    from torch._dynamo.aot_compile import aot_compile_fullgraph
+    from torch._dynamo.eval_frame import innermost_backend
+
+    ctx = compiled_module.dynamo_ctx
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        aot_compile_fullgraph(compiled_module._orig_mod.forward, (args, {}), hooks=ctx._hooks,
+                              backend=innermost_backend(ctx.callback))
+    del torch
+
+
+def cross_compile_function(fn, args: tuple, name: str = "function") -> GraphReport:
+    """Cross-compile a plain function (a unit under test) with the record's compile settings."""
+    import torch
+
+    from perf.compile import compile_model
+
+    class Wrapper(torch.nn.Module):
+        def forward(self, *a):
+            return fn(*a)
+
+    from perf.backend import current
+
+    spec = GraphSpec(name, training=True, step=0, windows=(0, 0))
+    return _compile_one(spec, compile_model(Wrapper(), _fast_backend(current())), args, (), _capture())
+
+
+_CAPTURE: WrapperCapture | None = None
+
+
+def _capture() -> WrapperCapture:
+    global _CAPTURE
+    if _CAPTURE is None:
+        _CAPTURE = WrapperCapture()
+        _CAPTURE.install()
+    return _CAPTURE
+
+
+def _compile_one(spec: GraphSpec, compiled, args: tuple, contexts, capture: WrapperCapture) -> GraphReport:
+    from perf.fake_sm90 import LEDGER
+
+    report = GraphReport(spec)
+    wrappers, cubins = len(capture.sources), LEDGER.mark()
+    t0 = time.perf_counter()
+    try:
+        compile_without_running(compiled, args, contexts)
+    except Exception as exc:  # report, keep going: every graph is tried
+        if os.environ.get("SPEEDRUN_CROSS_COMPILE_TRACEBACK") == "1":
+            import traceback
+            traceback.print_exc()
+        report.error = f"{failing_op(exc)}: {type(exc).__name__}: {first_lines(exc)}"
+    report.seconds = time.perf_counter() - t0
+    count_wrapper(capture.sources[wrappers:], report)
+    report.cubins = len(LEDGER.since(cubins))
+    return report
+
+
+def _fast_backend(base):
+    """The record's fast path on the faked device: Triton, fp8, FA3, fused QKV, inductor, no host checks."""
+    from dataclasses import replace
+
+    return replace(base, device="cuda", sm=90, triton=True, fp8=True, attention="fa3", compile=True,
+                   compile_backend="inductor", cuda_graphs=True, sync_check=False, host_checks=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# A preset's graphs
+
+
+def build_model(cfg):
+    """The model as `train_gpt.Run` builds it, on the fake CUDA device: fp8 caches refreshed, the
+    optimizer's value-embedding gradient buffer attached, the prefix table set."""
+    import torch
+
+    from model.gpt import GPT
+    from optim.manager import OptimizerManager
+    from optim.schedule import TrainingSchedule
+    from perf.fake_sm90 import on_fake_cuda
+
+    schedule = TrainingSchedule(cfg.schedule)
+    with on_fake_cuda():
+        model = GPT(cfg.model, fp8=True)
+        manager = OptimizerManager(model.named_parameters(), schedule, cfg.optim,
+                                   layout=(0, cfg.virtual_world_size))
+        model.value_embed_grad_buffer = manager.cycle_gradient("value_embeds")
+        model.refresh_fp8()
+    return model, schedule
+
+
+def graph_inputs(cfg, schedule, model, spec: GraphSpec) -> tuple:
+    """The forward's arguments for one graph, shaped as the run passes them (fake tensors)."""
+    import torch
+
+    from data.loader import cu_seqlens_rows
+    from model.gpt import StepArgs
+
+    dev, D = "cuda:0", cfg.model.model_dim
+    if spec.training:
+        s = schedule.settings(spec.step)
+        T = s.batch_tokens // cfg.virtual_world_size
+        k_max = max(len(schedule.settings(i).mtp_weights) for i in range(schedule.total_steps))
+        mtp_buffer = torch.zeros(k_max, dtype=torch.float32, device=dev)  # StepWeights: views of static buffers
+        prefix = torch.zeros((), dtype=torch.float32, device=dev) if s.prefix_weight else None
+        candidates = torch.zeros(s.softmax_p, dtype=torch.int64, device=dev) if s.softmax_p else None
+        args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=torch.zeros(len(s.mtp_weights), device=dev),
+                        prefix_weight=prefix, candidates=candidates, training=True, max_seq_len=s.max_seq_len)
+        rows = torch.zeros(2 * T, D, dtype=torch.bfloat16, device=dev, requires_grad=True)  # the sink leaf
+    else:
+        T = cfg.val_batch_tokens // cfg.virtual_world_size
+        V = cfg.model.vocab_size
+        mask = torch.zeros((V, (V + 7) // 8), dtype=torch.uint8, device=dev) if spec.canonical_mask else None
+        args = StepArgs(ws_short=spec.windows[0], ws_long=spec.windows[1], training=False, max_seq_len=T,
+                        canonical_mask=mask)
+        rows = torch.zeros(2 * T, D, dtype=torch.bfloat16, device=dev)
+    inputs = torch.zeros(T, dtype=torch.int32, device=dev)
+    targets = torch.zeros(T, dtype=torch.int64, device=dev)
+    cu_seqlens = torch.zeros(cu_seqlens_rows(T), dtype=torch.int32, device=dev)
+    sign_rows = torch.zeros(2 * T, dtype=torch.int32, device=dev)
+    return inputs, targets, cu_seqlens, rows, sign_rows, args
+
+
+def cross_compile_preset(cfg, specs: list[GraphSpec], backward: bool = True, progress=print) -> list[GraphReport]:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from perf import attention_backends
+    from perf.backend import current, use_backend
+    from perf.compile import compile_model
+    from perf.fake_sm90 import fa3_standin, on_fake_cuda
+
+    capture = _capture()
+    fast = _fast_backend(current())
+    attention_backends._fa3_interface = fa3_standin()  # the hub binary cannot load on a CPU
+    reports = []
+    with FakeTensorMode(allow_non_fake_inputs=True), use_backend(**fast.__dict__):
+        model, schedule = build_model(cfg)
+        compiled = compile_model(model, current())
+        windows = schedule.windows(0)
+        for i, spec in enumerate(specs):
+            if spec.windows != windows and spec.step < schedule.total_steps:  # the run's YaRN rescale
+                model.rescale_rotary(windows, spec.windows)
+                windows = spec.windows
+            args = graph_inputs(cfg, schedule, model, spec)
+            contexts = [] if spec.training and backward else [torch.no_grad()]
+            progress(f"[{i + 1}/{len(specs)}] {spec.name} ...")
+            report = _compile_one(spec, compiled, args, contexts, capture)
+            progress(f"    {format_row(report)}")
+            reports.append(report)
+    return reports
+
+
+HEADER = f"{'graph':<72} {'seconds':>8} {'inductor':>8} {'project':>8} {'cubins':>7} {'extern':>7}"
+
+
+def format_row(r: GraphReport) -> str:
+    if r.error:
+        return f"{r.spec.name:<72} {r.seconds:>8.1f}  FAILED: {r.error}"
+    return (f"{r.spec.name:<72} {r.seconds:>8.1f} {r.inductor_kernels:>8} {r.project_kernels:>8} "
+            f"{r.cubins:>7} {r.extern_calls:>7}")
+
+
+def format_table(reports: list[GraphReport], total_seconds: float) -> str:
+    lines = [HEADER, *(format_row(r) for r in reports)]
+    ok = [r for r in reports if not r.error]
+    lines.append(f"{'total':<72} {total_seconds:>8.1f} {sum(r.inductor_kernels for r in ok):>8} "
+                 f"{sum(r.project_kernels for r in ok):>8} {sum(r.cubins for r in ok):>7} "
+                 f"{sum(r.extern_calls for r in ok):>7}")
+    externs = sorted({name for r in ok for name in r.extern_names})
+    if externs:
+        lines.append("extern calls: " + ", ".join(externs))
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    from config import RUN_PRESETS
+
+    p = argparse.ArgumentParser(prog="python -m perf.cross_compile", description=__doc__.split("\n")[0])
+    p.add_argument("--config", choices=sorted(RUN_PRESETS), default="smoke", help="the preset whose graphs compile")
+    p.add_argument("--steps", default=None,
+                   help="comma-separated training steps: compile only their geometries (default: every geometry)")
+    p.add_argument("--no-backward", action="store_true", help="training graphs forward only")
+    p.add_argument("--no-validation", action="store_true", help="skip the validation forwards")
+    p.add_argument("--keep-cache", action="store_true",
+                   help="reuse inductor's and Triton's caches (default: fresh, so every kernel is built)")
+    args = p.parse_args(argv)
+    if args.steps is not None:
+        try:
+            args.steps = [int(s) for s in args.steps.split(",") if s.strip()]
+        except ValueError:
+            p.error(f"--steps {args.steps!r}: expected comma-separated step numbers")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    from perf import fake_sm90
+
+    if not fake_sm90.preloaded():
+        if not args.keep_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            cache = tempfile.mkdtemp(prefix="speedrun_cross_compile_")
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+            os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+        fake_sm90.reexec_with_preload(["-m", "perf.cross_compile", *argv])
+    fake_sm90.install()
+
+    from config import RUN_PRESETS
+
+    cfg = RUN_PRESETS[args.config]
+    total_steps = __import__("optim.schedule", fromlist=["TrainingSchedule"]).TrainingSchedule(cfg.schedule).total_steps
+    for s in args.steps or []:
+        if not 0 <= s < total_steps:
+            print(f"--steps: step {s} is outside the {cfg.name} schedule (0..{total_steps - 1})", file=sys.stderr)
+            return 2
+    specs = plan_graphs(cfg, args.steps, backward=not args.no_backward, validation=not args.no_validation)
+    print(f"cross-compiling {len(specs)} graph(s) of --config {cfg.name} for one faked SM90 device "
+          f"(inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})", flush=True)
+    t0 = time.perf_counter()
+    reports = cross_compile_preset(cfg, specs, backward=not args.no_backward,
+                                   progress=lambda line: print(line, flush=True))
+    print(format_table(reports, time.perf_counter() - t0))
+    failed = [r for r in reports if r.error]
+    for r in failed:
+        print(f"FAILED {r.spec.name}: {r.error}", file=sys.stderr)
+    return EXIT_FAILED if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
