@@ -342,6 +342,32 @@ def load_fa3():
     return _fa3_interface
 
 
+def check_fa3_compilable(fa3=None, device: str = "cuda") -> None:
+    """Raise unless FA3's varlen call traces on fake tensors, forward and backward: torch.compile
+    traces the model with fake tensors, so every op FA3 calls needs a fake (shape) kernel, or the
+    record's first compiled step fails after minutes of compiling. Seconds, no kernel runs; the
+    record preset calls it at start-up, before the clock, and `python -m perf.preflight` reports it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fa3 = fa3 if fa3 is not None else load_fa3()
+    try:
+        with FakeTensorMode():
+            T, H, d = 256, 2, 128  # two documents of 128 tokens
+            q, k, v = (torch.empty(T, H, d, dtype=torch.bfloat16, device=device, requires_grad=True) for _ in range(3))
+            cu_seqlens = torch.zeros(3, dtype=torch.int32, device=device)
+            y = fa3.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=128,
+                                           max_seqlen_k=128, causal=True, softmax_scale=d ** -0.5, window_size=(64, 0))
+            y = y[0] if isinstance(y, tuple) else y
+            if tuple(y.shape) != (T, H, d):
+                raise RuntimeError(f"output shape {tuple(y.shape)}, expected {(T, H, d)}")
+            torch.autograd.grad(y.float().sum(), (q, k, v))
+    except Exception as exc:
+        raise RuntimeError(f"FA3: flash_attn_varlen_func does not trace on fake tensors ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}), so torch.compile cannot compile the model "
+                           f"around it: its ops need fake (meta) kernels. Use the pinned build "
+                           f"{FA3_REPO}@{FA3_REVISION}, whose ops register them") from exc
+
+
 def fa3_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
                          softmax_scale: float, paired: bool = False, max_seqlen: int | None = None) -> Tensor:
     """`sdpa_varlen_attention` through FA3 varlen (record #360 §2.7). max_seqlen: the longest segment in
@@ -391,4 +417,4 @@ def assert_record_backends(backend: Backend | None = None) -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("the record preset needs compiled Triton kernels, but TRITON_INTERPRET=1 runs them in "
                            "Triton's interpreter: unset it")
-    load_fa3()  # fails now, naming the cause, instead of at the first attention call
+    check_fa3_compilable(load_fa3())  # fails now, naming the cause, not at the first compiled step

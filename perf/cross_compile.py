@@ -26,12 +26,18 @@ import argparse
 import contextlib
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 EXIT_FAILED = 1
+TRACEBACK_ENV = "SPEEDRUN_CROSS_COMPILE_TRACEBACK"  # 1: print each failing graph's whole traceback
+TEMP_CACHE_ENV = "SPEEDRUN_CROSS_COMPILE_TEMP_CACHE"  # the fresh cache folder this run made (removed at exit)
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,9 @@ class GraphReport:
     cubins: int = 0
     extern_calls: int = 0
     extern_names: tuple[str, ...] = ()
-    error: str | None = None
+    project_names: tuple[str, ...] = ()
+    error: str | None = None  # "op: exception: first line"
+    detail: str = ""  # the error's first lines (inductor's IR of the failing node)
 
 
 TRITON_DEF = re.compile(r"async_compile\.triton\('(\w+)'")
@@ -99,6 +107,7 @@ def count_wrapper(sources: list[str], report: GraphReport) -> None:
     names = [m for src in sources for m in TRITON_DEF.findall(src)]
     report.inductor_kernels = sum(name.startswith("triton_") for name in names)  # inductor names its own so
     report.project_kernels = len(names) - report.inductor_kernels  # user kernels keep their names
+    report.project_names = tuple(sorted({name for name in names if not name.startswith("triton_")}))
     calls = [m for src in sources for m in EXTERN_CALL.findall(src)]
     report.extern_calls = len(calls)
     report.extern_names = tuple(sorted(set(calls)))
@@ -119,8 +128,9 @@ def failing_op(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def first_lines(exc: BaseException, n: int = 6) -> str:
-    return "\n".join(str(exc).strip().splitlines()[:n])
+def first_lines(exc: BaseException, n: int) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return "\n".join(lines[:n])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -151,7 +161,6 @@ def compile_without_running(compiled_module, args: tuple, contexts=()) -> None:
     dynamo, AOT autograd (the backward lowered now, not at the first backward) and the module's own
     backend, and do not run it (dynamo's ahead-of-time path, what `OptimizedModule._aot_compile` does
     for one input)."""
-    import torch
     from torch._dynamo.aot_compile import aot_compile_fullgraph
     from torch._dynamo.eval_frame import innermost_backend
 
@@ -159,25 +168,69 @@ def compile_without_running(compiled_module, args: tuple, contexts=()) -> None:
     with contextlib.ExitStack() as stack:
         for c in contexts:
             stack.enter_context(c)
+        # dynamic: the module's own setting (compile_model: False). Left unset, dynamo would make the
+        # dimensions that differ from the previous graph's symbolic, as a run never does.
         aot_compile_fullgraph(compiled_module._orig_mod.forward, (args, {}), hooks=ctx._hooks,
-                              backend=innermost_backend(ctx.callback))
-    del torch
+                              backend=innermost_backend(ctx.callback), dynamic=ctx._dynamic)
 
 
-def cross_compile_function(fn, args: tuple, name: str = "function") -> GraphReport:
-    """Cross-compile a plain function (a unit under test) with the record's compile settings."""
-    import torch
+def load_case(ref: str):
+    """`FILE.py:NAME` or `package.module:NAME`: a function returning (fn, args), called on the fake device."""
+    import importlib
+    import importlib.util
 
+    where, _, name = ref.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"--function {ref!r}: expected FILE.py:NAME or module:NAME")
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise ValueError(f"--function {ref!r}: no file {where}")
+        module_name = "_cross_compile_case_" + Path(where).stem
+        spec = importlib.util.spec_from_file_location(module_name, where)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dynamo finds a traced function's globals through its module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    if not hasattr(module, name):
+        raise ValueError(f"--function {ref!r}: {where} has no {name}")
+    return getattr(module, name)
+
+
+class FunctionModule(torch.nn.Module):
+    """A case's function as the module torch.compile takes (at module level: dynamo's ahead-of-time
+    path refuses to package a class defined in a local scope)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def cross_compile_cases(refs: list[str], progress=print) -> list[GraphReport]:
+    """Cross-compile functions named `FILE.py:NAME` (each returns `(fn, args)` built on the fake
+    device) with the record's compile settings: one graph each, forward and backward when an input
+    requires grad. For unit checks of what inductor makes of one op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from perf.backend import current, use_backend
     from perf.compile import compile_model
+    from perf.fake_sm90 import on_fake_cuda
 
-    class Wrapper(torch.nn.Module):
-        def forward(self, *a):
-            return fn(*a)
-
-    from perf.backend import current
-
-    spec = GraphSpec(name, training=True, step=0, windows=(0, 0))
-    return _compile_one(spec, compile_model(Wrapper(), _fast_backend(current())), args, (), _capture())
+    reports = []
+    fast = _fast_backend(current())
+    with FakeTensorMode(allow_non_fake_inputs=True), use_backend(**fast.__dict__):
+        for i, ref in enumerate(refs):
+            with on_fake_cuda():
+                fn, args = load_case(ref)()
+            spec = GraphSpec(f"function {ref.rpartition(':')[2]}", training=True, step=0, windows=(0, 0))
+            progress(f"[{i + 1}/{len(refs)}] {spec.name} ...")
+            report = _compile_one(spec, compile_model(FunctionModule(fn), current()), tuple(args), (), _capture())
+            progress(f"    {format_row(report)}")
+            reports.append(report)
+    return reports
 
 
 _CAPTURE: WrapperCapture | None = None
@@ -200,10 +253,11 @@ def _compile_one(spec: GraphSpec, compiled, args: tuple, contexts, capture: Wrap
     try:
         compile_without_running(compiled, args, contexts)
     except Exception as exc:  # report, keep going: every graph is tried
-        if os.environ.get("SPEEDRUN_CROSS_COMPILE_TRACEBACK") == "1":
+        if os.environ.get(TRACEBACK_ENV) == "1":
             import traceback
             traceback.print_exc()
-        report.error = f"{failing_op(exc)}: {type(exc).__name__}: {first_lines(exc)}"
+        report.error = f"{failing_op(exc)}: {type(exc).__name__}: {first_lines(exc, 1)}"
+        report.detail = first_lines(exc, 12)
     report.seconds = time.perf_counter() - t0
     count_wrapper(capture.sources[wrappers:], report)
     report.cubins = len(LEDGER.since(cubins))
@@ -225,8 +279,6 @@ def _fast_backend(base):
 def build_model(cfg):
     """The model as `train_gpt.Run` builds it, on the fake CUDA device: fp8 caches refreshed, the
     optimizer's value-embedding gradient buffer attached, the prefix table set."""
-    import torch
-
     from model.gpt import GPT
     from optim.manager import OptimizerManager
     from optim.schedule import TrainingSchedule
@@ -244,8 +296,6 @@ def build_model(cfg):
 
 def graph_inputs(cfg, schedule, model, spec: GraphSpec) -> tuple:
     """The forward's arguments for one graph, shaped as the run passes them (fake tensors)."""
-    import torch
-
     from data.loader import cu_seqlens_rows
     from model.gpt import StepArgs
 
@@ -253,11 +303,13 @@ def graph_inputs(cfg, schedule, model, spec: GraphSpec) -> tuple:
     if spec.training:
         s = schedule.settings(spec.step)
         T = s.batch_tokens // cfg.virtual_world_size
-        k_max = max(len(schedule.settings(i).mtp_weights) for i in range(schedule.total_steps))
-        mtp_buffer = torch.zeros(k_max, dtype=torch.float32, device=dev)  # StepWeights: views of static buffers
+        # StepWeights passes a view of a [K_max] buffer, but dynamo (torch 2.13) cannot take a view of
+        # a tensor of another fake mode as an input ("needs to be a FakeTensor wrapped by this instance
+        # of Dynamo"): graph inputs here are whole tensors of the same shape, dtype and device
+        mtp = torch.zeros(len(s.mtp_weights), dtype=torch.float32, device=dev)
         prefix = torch.zeros((), dtype=torch.float32, device=dev) if s.prefix_weight else None
         candidates = torch.zeros(s.softmax_p, dtype=torch.int64, device=dev) if s.softmax_p else None
-        args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=torch.zeros(len(s.mtp_weights), device=dev),
+        args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp,
                         prefix_weight=prefix, candidates=candidates, training=True, max_seq_len=s.max_seq_len)
         rows = torch.zeros(2 * T, D, dtype=torch.bfloat16, device=dev, requires_grad=True)  # the sink leaf
     else:
@@ -275,13 +327,12 @@ def graph_inputs(cfg, schedule, model, spec: GraphSpec) -> tuple:
 
 
 def cross_compile_preset(cfg, specs: list[GraphSpec], backward: bool = True, progress=print) -> list[GraphReport]:
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from perf import attention_backends
     from perf.backend import current, use_backend
     from perf.compile import compile_model
-    from perf.fake_sm90 import fa3_standin, on_fake_cuda
+    from perf.fake_sm90 import fa3_standin
 
     capture = _capture()
     fast = _fast_backend(current())
@@ -320,9 +371,10 @@ def format_table(reports: list[GraphReport], total_seconds: float) -> str:
     lines.append(f"{'total':<72} {total_seconds:>8.1f} {sum(r.inductor_kernels for r in ok):>8} "
                  f"{sum(r.project_kernels for r in ok):>8} {sum(r.cubins for r in ok):>7} "
                  f"{sum(r.extern_calls for r in ok):>7}")
-    externs = sorted({name for r in ok for name in r.extern_names})
-    if externs:
-        lines.append("extern calls: " + ", ".join(externs))
+    for label, field in (("project kernels", "project_names"), ("extern calls", "extern_names")):
+        names = sorted({name for r in ok for name in getattr(r, field)})
+        if names:
+            lines.append(f"{label}: " + ", ".join(names))
     return "\n".join(lines)
 
 
@@ -335,14 +387,27 @@ def parse_args(argv):
                    help="comma-separated training steps: compile only their geometries (default: every geometry)")
     p.add_argument("--no-backward", action="store_true", help="training graphs forward only")
     p.add_argument("--no-validation", action="store_true", help="skip the validation forwards")
+    p.add_argument("--function", action="append", default=[], metavar="FILE.py:NAME",
+                   help="cross-compile this function instead of the preset's graphs (it returns (fn, args); "
+                        "repeatable)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="processes compiling Triton kernels (default: one per core)")
     p.add_argument("--keep-cache", action="store_true",
                    help="reuse inductor's and Triton's caches (default: fresh, so every kernel is built)")
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: expected at least 1")
     if args.steps is not None:
+        from optim.schedule import TrainingSchedule
+
         try:
             args.steps = [int(s) for s in args.steps.split(",") if s.strip()]
         except ValueError:
             p.error(f"--steps {args.steps!r}: expected comma-separated step numbers")
+        total = TrainingSchedule(RUN_PRESETS[args.config].schedule).total_steps
+        outside = [s for s in args.steps if not 0 <= s < total]
+        if outside or not args.steps:
+            p.error(f"--steps {outside or args.steps}: the {args.config} schedule has steps 0..{total - 1}")
     return args
 
 
@@ -353,30 +418,39 @@ def main(argv=None) -> int:
 
     if not fake_sm90.preloaded():
         if not args.keep_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-            cache = tempfile.mkdtemp(prefix="speedrun_cross_compile_")
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-            os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+            cache = tempfile.mkdtemp(prefix="speedrun_cross_compile_")  # cold: every kernel is built
+            os.environ.update({"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+                               TEMP_CACHE_ENV: cache})
         fake_sm90.reexec_with_preload(["-m", "perf.cross_compile", *argv])
-    fake_sm90.install()
+    fake_sm90.install(compile_workers=args.jobs)
+    try:
+        return _run(args)
+    finally:
+        if os.environ.get(TEMP_CACHE_ENV):
+            shutil.rmtree(os.environ[TEMP_CACHE_ENV], ignore_errors=True)
 
+
+def _run(args) -> int:
     from config import RUN_PRESETS
 
+    t0 = time.perf_counter()
+    if args.function:
+        reports = cross_compile_cases(args.function, progress=lambda line: print(line, flush=True))
+        return _finish(reports, time.perf_counter() - t0)
     cfg = RUN_PRESETS[args.config]
-    total_steps = __import__("optim.schedule", fromlist=["TrainingSchedule"]).TrainingSchedule(cfg.schedule).total_steps
-    for s in args.steps or []:
-        if not 0 <= s < total_steps:
-            print(f"--steps: step {s} is outside the {cfg.name} schedule (0..{total_steps - 1})", file=sys.stderr)
-            return 2
     specs = plan_graphs(cfg, args.steps, backward=not args.no_backward, validation=not args.no_validation)
     print(f"cross-compiling {len(specs)} graph(s) of --config {cfg.name} for one faked SM90 device "
           f"(inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})", flush=True)
-    t0 = time.perf_counter()
     reports = cross_compile_preset(cfg, specs, backward=not args.no_backward,
                                    progress=lambda line: print(line, flush=True))
-    print(format_table(reports, time.perf_counter() - t0))
+    return _finish(reports, time.perf_counter() - t0)
+
+
+def _finish(reports: list[GraphReport], seconds: float) -> int:
+    print(format_table(reports, seconds), flush=True)
     failed = [r for r in reports if r.error]
     for r in failed:
-        print(f"FAILED {r.spec.name}: {r.error}", file=sys.stderr)
+        print(f"FAILED {r.spec.name}: {r.error}\n{r.detail}", file=sys.stderr)
     return EXIT_FAILED if failed else 0
 
 

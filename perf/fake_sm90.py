@@ -64,8 +64,9 @@ DEVICE_EVALUATING_OPTIONS = {
     "max_autotune": False,
     "max_autotune_gemm": False,
     "coordinate_descent_tuning": False,
-    # worker processes would compile without this process's fake device: compile in-process
-    "compile_threads": 1,
+    # compile workers are forked from this process, so they inherit its fake device (a fresh
+    # subprocess, inductor's default, would not)
+    "worker_start_method": "fork",
 }
 
 PRELOAD_SOURCE = r"""
@@ -228,8 +229,9 @@ def _fake_triton_driver():
 _installed = False
 
 
-def install() -> None:
-    """Make this process see one H100 (needs the preload library: see `reexec_with_preload`).
+def install(compile_workers: int = 1) -> None:
+    """Make this process see one H100 (needs the preload library: see `reexec_with_preload`), with
+    `compile_workers` forked processes compiling Triton kernels (1: in this process).
     For processes that only cross-compile: nothing is undone."""
     global _installed
     if _installed:
@@ -277,6 +279,7 @@ def install() -> None:
     import torch._inductor.config as inductor_config
     for name, value in DEVICE_EVALUATING_OPTIONS.items():
         setattr(inductor_config, name, value)
+    inductor_config.compile_threads = compile_workers
 
     # Inductor traces its pattern-matcher replacements once, on example tensors of the graph's device,
     # for real (outside any fake mode, e.g. torch.tensor(2.0, device=...)); a CPU-only torch has no

@@ -36,17 +36,36 @@ def col_major(t: Tensor) -> Tensor:
     return t.t().contiguous().t()
 
 
-def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
-              fast_accum: bool) -> Tensor:
-    """(a·scale_a) @ (b·scale_b) for fp8 a (row-major) and b (made column-major), fp32 0-D scales.
-
-    fast_accum is allowed only on forward GEMMs: with it a gradient GEMM can return NaN on H100.
-    """
+# One fp8 GEMM as an opaque custom op (record #360 wraps its fp8 GEMMs the same way): inductor calls
+# it as an extern kernel, cuBLASLt's _scaled_mm, instead of lowering torch._scaled_mm itself. The
+# lowering considers inductor's own Triton templates on SM90 and reshapes each 0-D scale to [1, 1];
+# a scale that is a 0-D view of a per-slot buffer (`state.post_scale[k]`) then fails to lower
+# ("12 != 1"; python -m perf.cross_compile finds it, tests/perf/test_perf_cross_compile.py keeps it).
+@torch.library.custom_op("speedrun::scaled_mm", mutates_args=())
+def _scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+                  fast_accum: bool) -> Tensor:
     if b.stride(0) != 1:
         b = col_major(b)
     return torch._scaled_mm(a.contiguous(), b, scale_a=scale_a.float().reshape(()),
                             scale_b=scale_b.float().reshape(()), out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
+
+
+@_scaled_mm_op.register_fake
+def _(a, b, scale_a, scale_b, out_dtype, fast_accum):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)  # (M, N), row-major as cuBLASLt writes it
+
+
+def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+              fast_accum: bool) -> Tensor:
+    """(a·scale_a) @ (b·scale_b) for fp8 a (row-major) and b (made column-major), fp32 0-D scales
+    (views of per-slot buffers are fine).
+
+    fast_accum is allowed only on forward GEMMs: with it a gradient GEMM can return NaN on H100.
+    """
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"scaled_mm: a {tuple(a.shape)} and b {tuple(b.shape)} must be [M, K] and [K, N]")
+    return _scaled_mm_op(a, b, scale_a, scale_b, out_dtype, fast_accum)
 
 
 def tile_amax(w: Tensor, tile: int = 64) -> Tensor:

@@ -88,7 +88,8 @@ CHECKS = (
     Check("cudart13", f"{CUDART_13} loads (the FA3 binary links the CUDA 13 runtime)",
           "pip install nvidia-cuda-runtime==13.1.80 and add its lib folder to LD_LIBRARY_PATH, or use the "
           "Dockerfile (CUDA 13.1 image)"),
-    Check("fa3", "FA3 resolves (SPEEDRUN_FA3_DIR, the kernels cache or the pinned hub revision) and its sha256 matches",
+    Check("fa3", "FA3 resolves (SPEEDRUN_FA3_DIR, the kernels cache or the pinned hub revision), its sha256 matches "
+                 "and its varlen call traces on fake tensors (what torch.compile needs)",
           "hf auth login, or pre-seed the cache / set SPEEDRUN_FA3_DIR (README: Traps on a fresh GPU node)"),
     Check("triton", "a Triton kernel compiles and runs on cuda:0 (needs a C compiler and Python.h)",
           "install build-essential and python3-dev; unset TRITON_INTERPRET"),
@@ -348,6 +349,7 @@ def probe_fa3() -> dict:
         interface = ab.load_fa3()
         package_dir = Path(getattr(interface, "__file__", "")).parent
         binary = ab.verify_fa3_binary(package_dir)  # load_fa3 checked it; name the file for the log
+        ab.check_fa3_compilable(interface)  # its ops trace under torch.compile (fake kernels)
         return {"source": source, "binary": str(binary), "sha256": ab.sha256_of(binary)}
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}

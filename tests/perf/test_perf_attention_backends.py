@@ -177,7 +177,10 @@ def test_assert_record_backends(monkeypatch):
     with pytest.raises(RuntimeError, match="pip install kernels"):  # FA3 must load at start-up
         ab.assert_record_backends(RECORD_BACKEND)
     monkeypatch.setattr(ab, "_fa3_interface", "a verified interface")
+    checked = []
+    monkeypatch.setattr(ab, "check_fa3_compilable", checked.append)  # (tests/perf/test_perf_cross_compile.py)
     ab.assert_record_backends(RECORD_BACKEND)  # the fast path with FA3 loaded: no error
+    assert checked == ["a verified interface"]  # and its ops trace under torch.compile
 
 
 @pytest.mark.gpu

@@ -1,0 +1,31 @@
+"""Functions `python -m perf.cross_compile --function tests/perf/cross_compile_cases.py:NAME` compiles for
+the faked SM90 device: each returns (fn, args), built on that device (fake tensors, shapes only).
+Used by tests/perf/test_perf_cross_compile.py."""
+import torch
+
+from perf.fp8 import E4M3, scaled_mm
+
+SLOTS = 12  # record #360: the MLP bank's slots, one scale each in a [12] buffer (perf/kernels/mlp.py)
+
+
+def _operands():
+    """a (T, D) e4m3 row-major; w (H, D) e4m3, used as its transpose (D, H): column-major, as the MLP's
+    weight caches and cuBLASLt have it (graph inputs are whole tensors: see perf/cross_compile.py)."""
+    return torch.zeros(256, 128, dtype=E4M3), torch.zeros(512, 128, dtype=E4M3), torch.ones(SLOTS), torch.ones(SLOTS)
+
+
+def raw_scaled_mm_slot_view():
+    """torch._scaled_mm with 0-D views of [12] per-slot buffers as its scales, the way the MLP took
+    them before fp8 GEMMs became an opaque op: inductor's SM90 lowering reshapes each scale to
+    [1, 1] and fails on the view ("12 != 1")."""
+    def fn(a, w, scale_a, scale_b):
+        return torch._scaled_mm(a, w.t(), scale_a=scale_a[3], scale_b=scale_b[5], out_dtype=torch.bfloat16)
+    return fn, _operands()
+
+
+def mlp_scaled_mm_slot_view():
+    """The same GEMM through perf.fp8.scaled_mm, with the scales the MLP passes: a slot's view, and a
+    slot's view times the post-λ (the fold)."""
+    def fn(a, w, scale_a, scale_b, post_lambda):
+        return scaled_mm(a, w.t(), scale_a[3], scale_b[5] * post_lambda, torch.bfloat16, True)
+    return fn, (*_operands(), torch.ones((), dtype=torch.float32))

@@ -1,0 +1,117 @@
+"""The SM90 cross-compile (perf/cross_compile.py, perf/fake_sm90.py): what an H100 compiles, built on a CPU.
+
+The slow tests run `python -m perf.cross_compile` in a subprocess (it re-executes itself with the fake
+device's preloaded library): one smoke training geometry forward and backward with Triton, fp8, the
+fused QKV path and the FA3 stand-in, and two single-GEMM graphs that pin the `_scaled_mm` scale-view
+failure inductor met before fp8 GEMMs became an opaque op. The fast tests check the graph plan, the
+report parsing and the FA3 start-up check (on the CPU, with fake tensors).
+
+Run: pytest tests/perf/test_perf_cross_compile.py -q   (the slow ones: about 5 minutes on 2 cores)
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from config import RUN_PRESETS
+from perf import attention_backends as ab
+from perf.cross_compile import GraphReport, GraphSpec, count_wrapper, failing_op, plan_graphs
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CASES = "tests/perf/cross_compile_cases.py"
+# the model's Triton kernels, forward and backward (the optimizer's run outside the model's graphs)
+MODEL_KERNELS = {"_up_relu2_fp8_kernel", "_dpre_fp8_kernel", "_quantize_dual_kernel", "_qk_norm_rope_kernel",
+                 "_qkv_rope_backward_kernel", "_ngram_forward_kernel", "_ngram_backward_kernel",
+                 "_gather_rows_kernel", "_scatter_add_rows_kernel", "_softcapped_ce_kernel",
+                 "_softcapped_ce_grad_e5m2_kernel"}
+
+
+def _cross_compile(*args, timeout=1500):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "perf.cross_compile", *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _row(stdout: str, name: str) -> list[str]:
+    """The table row of graph `name`: [seconds, inductor, project, cubins, extern] or [seconds, 'FAILED: ...']."""
+    lines = [line for line in stdout.splitlines() if line.startswith(name)]
+    assert lines, stdout[-3000:]
+    return lines[-1][len(name):].split(None, 5)
+
+
+def test_plan_has_one_graph_per_geometry_and_the_validations():
+    smoke = plan_graphs(RUN_PRESETS["smoke"])
+    assert [s.step for s in smoke if s.training] == [0, 17, 36, 52, 60, 64]  # each geometry's first step
+    assert [s.windows for s in smoke if not s.training] == [(1, 3), (3, 7), (6, 20)]  # val_every=35 and final
+    record = plan_graphs(RUN_PRESETS["record"])
+    assert len([s for s in record if s.training]) == 6
+    (final,) = [s for s in record if not s.training]  # record #360 validates at the end only
+    assert final.canonical_mask and final.windows == (6, 20)
+    (stage2,) = plan_graphs(RUN_PRESETS["record"], steps=[700, 690], validation=False)
+    assert stage2.step == 681 and "T=49152" in stage2.name
+
+
+def test_report_reads_the_wrapper_and_names_the_failing_op():
+    wrapper = ("triton_poi_fused_0 = async_compile.triton('triton_poi_fused_0', '''...''')\n"
+               "_up_relu2_fp8_kernel = async_compile.triton('_up_relu2_fp8_kernel', '''...''')\n"
+               "extern_kernels.mm(buf0, buf1, out=buf2)\n"
+               "buf3 = torch.ops.speedrun.scaled_mm.default(buf2, buf1, s0, s1, torch.bfloat16, True)\n")
+    report = GraphReport(GraphSpec("g", True, 0, (1, 3)))
+    count_wrapper([wrapper, wrapper], report)
+    assert (report.inductor_kernels, report.project_kernels, report.extern_calls) == (2, 2, 4)
+    assert report.project_names == ("_up_relu2_fp8_kernel",)
+    lowering = RuntimeError("LoweringException: AssertionError: \n  target: aten._scaled_mm.default\n  args[0]: ...")
+    assert failing_op(lowering) == "aten._scaled_mm.default"
+    wrapped = RuntimeError("outer")
+    wrapped.__cause__ = lowering
+    assert failing_op(wrapped) == "aten._scaled_mm.default"
+    assert failing_op(ValueError("no op here")) == "ValueError"
+
+
+def test_fa3_check_passes_ops_with_fake_kernels_and_names_those_without():
+    from perf.fake_sm90 import fa3_standin
+
+    ab.check_fa3_compilable(fa3_standin(), device="cpu")  # forward and backward trace
+
+    @torch.library.custom_op("speedrun_test::varlen_no_fake", mutates_args=())
+    def varlen_no_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(v)
+
+    class Interface:  # an FA3 build whose op has no fake kernel
+        @staticmethod
+        def flash_attn_varlen_func(q, k, v, **kwargs):
+            return varlen_no_fake(q, k, v)
+
+    with pytest.raises(RuntimeError, match="does not trace on fake tensors.*fake \\(meta\\) kernels"):
+        ab.check_fa3_compilable(Interface(), device="cpu")
+
+
+@pytest.mark.slow
+def test_a_scaled_mm_scale_view_fails_naming_the_op_and_the_opaque_gemm_compiles():
+    code, out, err = _cross_compile("--function", f"{CASES}:raw_scaled_mm_slot_view",
+                                    "--function", f"{CASES}:mlp_scaled_mm_slot_view")
+    assert code == 1, out + err
+    assert _row(out, "function raw_scaled_mm_slot_view")[1].startswith("FAILED: aten._scaled_mm.default")
+    assert "FAILED function raw_scaled_mm_slot_view: aten._scaled_mm.default" in err
+    seconds, inductor, project, cubins, extern = _row(out, "function mlp_scaled_mm_slot_view")
+    assert int(cubins) >= 1 and int(extern) == 1, out  # the quantized operands' kernel, one cuBLASLt call
+    assert "torch.ops.speedrun.scaled_mm.default" in out
+
+
+@pytest.mark.slow
+def test_a_smoke_training_geometry_compiles_for_sm90_forward_and_backward():
+    code, out, err = _cross_compile("--config", "smoke", "--steps", "0", "--no-validation")
+    assert code == 0, out[-3000:] + err[-3000:]
+    seconds, inductor, project, cubins, extern = _row(out, "train step 0: T=512")
+    assert int(inductor) > 100 and int(cubins) >= int(inductor) + int(project), out[-2000:]
+    names = set(re.search(r"project kernels: (.*)", out).group(1).split(", "))
+    assert MODEL_KERNELS <= names, MODEL_KERNELS - names  # every model kernel, forward and backward
+    externs = re.search(r"extern calls: (.*)", out).group(1)
+    for call in ("torch.ops.speedrun.scaled_mm.default", "torch.ops.speedrun_fa3_standin.varlen_fwd.default",
+                 "torch.ops.speedrun_fa3_standin.varlen_bwd.default"):  # fp8 GEMMs; FA3 forward and backward
+        assert call in externs, externs
