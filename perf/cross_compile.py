@@ -117,7 +117,7 @@ def failing_op(exc: BaseException) -> str:
     """The op inductor names in a lowering error ('target: aten._scaled_mm.default'), else the
     exception's type."""
     text = str(exc)
-    match = re.search(r"target: ([\w.:]+)", text)
+    match = re.search(r"target: ([\w.:]+)", text) or re.search(r"(Triton kernel \w+)", text)
     if match:
         return match.group(1)
     cause = exc.__cause__ or exc.__context__
@@ -426,6 +426,9 @@ def main(argv=None) -> int:
     try:
         return _run(args)
     finally:
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()  # before the cache goes: a worker may still be compiling into it
         if os.environ.get(TEMP_CACHE_ENV):
             shutil.rmtree(os.environ[TEMP_CACHE_ENV], ignore_errors=True)
 

@@ -188,6 +188,17 @@ def _cubin_bytes(kernel) -> int:
     raise RuntimeError(f"fake SM90: no cubin for {getattr(kernel, 'name', kernel)}")
 
 
+class KernelCompileError(RuntimeError):
+    """A Triton kernel inside a compiled graph that Triton could not compile for sm_90."""
+
+    def __init__(self, kernel: str, cause: BaseException):
+        fused = kernel.split("_fused_", 1)[1].rsplit("_", 1)[0] if "_fused_" in kernel else ""
+        what = f" (inductor's fusion of {fused})" if fused else ""
+        super().__init__(f"Triton kernel {kernel}{what} does not compile for sm_90: {type(cause).__name__}: "
+                         f"{str(cause).splitlines()[0] if str(cause) else ''} (Triton's own message is on stderr)")
+        self.kernel = kernel
+
+
 def _fake_triton_driver():
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.driver import CudaDriver
@@ -297,6 +308,15 @@ def install(compile_workers: int = 1) -> None:
         for result in self.compile_results:
             LEDGER.cubins.append((self.fn.__name__, _cubin_bytes(result.kernel)))
 
+    precompile_config = triton_heuristics.CachingAutotuner._precompile_config
+
+    def name_the_kernel(self, cfg):
+        try:
+            return precompile_config(self, cfg)
+        except Exception as exc:  # Triton's own error names only the compiler pass
+            raise KernelCompileError(self.fn.__name__, exc) from exc
+
+    triton_heuristics.CachingAutotuner._precompile_config = name_the_kernel
     triton_heuristics.CachingAutotuner._make_launchers = record_cubins
     triton_heuristics.CachingAutotuner._dynamic_scale_rblock = lambda self: None
     _installed = True

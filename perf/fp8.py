@@ -89,10 +89,14 @@ def quantize_lm_head(w: Tensor) -> Tensor:
     return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
-def lm_head_logits_e4m3(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
-    """e4m3 logits [T, N] = saturate(x8·x_s @ w8·w_s) with fast accumulation, one slab of
-    CE_SLAB_ROWS rows at a time so the GEMM's fp32 output stays a bounded temporary (the record's
-    kernel writes e4m3 from its epilogue; `_scaled_mm` has no saturating e4m3 output on every build)."""
+# The lm_head's e4m3 logits as one opaque custom op: the slab loop must run as written. Inside a
+# compiled graph inductor would otherwise run every slab's GEMM first and fuse all the clamps and
+# casts into one kernel over [T, N] (every fp32 slab alive at once: 2.8 GB per rank at the record's
+# stage 2, T = 49,152 and P = 14,336), and that kernel does not even compile: its e4m3 NaN fill
+# constant fails in Triton 3.8 ("'llvm.fptrunc' op result #0 must be floating point"; found by
+# python -m perf.cross_compile --config record --steps 681).
+@torch.library.custom_op("speedrun::lm_head_logits_e4m3", mutates_args=())
+def _lm_head_logits_e4m3_op(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
     T, N = x8.shape[0], w8.shape[1]
     w8 = col_major(w8)  # once, not per slab
     logits8 = torch.empty((T, N), dtype=E4M3, device=x8.device)
@@ -100,6 +104,19 @@ def lm_head_logits_e4m3(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor) -> Ten
         slab = scaled_mm(x8[lo: lo + CE_SLAB_ROWS], w8, x_s, w_s, torch.float32, True)  # (rows, N) fp32
         logits8[lo: lo + CE_SLAB_ROWS] = slab.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return logits8
+
+
+@_lm_head_logits_e4m3_op.register_fake
+def _(x8, w8, x_s, w_s):
+    return x8.new_empty((x8.shape[0], w8.shape[1]), dtype=E4M3)  # (T, N)
+
+
+def lm_head_logits_e4m3(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
+    """e4m3 logits [T, N] = saturate(x8·x_s @ w8·w_s) with fast accumulation, one slab of
+    CE_SLAB_ROWS rows at a time so the GEMM's fp32 output stays a bounded temporary (the record's
+    kernel writes e4m3 from its epilogue; `_scaled_mm` has no saturating e4m3 output on every build).
+    One opaque op, in eager and compiled graphs alike (see above)."""
+    return _lm_head_logits_e4m3_op(x8, w8, x_s, w_s)
 
 
 class Fp8LMHeadLossFunction(torch.autograd.Function):

@@ -71,6 +71,10 @@ def test_report_reads_the_wrapper_and_names_the_failing_op():
     wrapped.__cause__ = lowering
     assert failing_op(wrapped) == "aten._scaled_mm.default"
     assert failing_op(ValueError("no op here")) == "ValueError"
+    from perf.fake_sm90 import KernelCompileError
+    kernel = KernelCompileError("triton_poi_fused__to_copy_clamp_124", RuntimeError("PassManager::run failed"))
+    assert "inductor's fusion of _to_copy_clamp" in str(kernel)
+    assert failing_op(RuntimeError(f"InductorError: {kernel}")) == "Triton kernel triton_poi_fused__to_copy_clamp_124"
 
 
 def test_fa3_check_passes_ops_with_fake_kernels_and_names_those_without():
