@@ -45,7 +45,8 @@ class GraphSpec:
     """One compiled graph of a run: a training geometry (forward and backward) or a validation forward."""
     name: str
     training: bool
-    step: int  # training: the geometry's first step; validation: the step whose windows it has
+    step: int  # training: the geometry's first step; validation: -1 mid-run (windows YaRN-rescaled as the
+    #   run's), total_steps for the final one (the extended long window, no YaRN: train_gpt's set_windows)
     windows: tuple[int, int]
     canonical_mask: bool = False
 
@@ -278,7 +279,8 @@ def _fast_backend(base):
 
 def build_model(cfg):
     """The model as `train_gpt.Run` builds it, on the fake CUDA device: fp8 caches refreshed, the
-    optimizer's value-embedding gradient buffer attached, the prefix table set."""
+    optimizer's value-embedding gradient buffer attached (the warmup compiles before the prefix
+    table is set; a buffer's values do not change the graph)."""
     from model.gpt import GPT
     from optim.manager import OptimizerManager
     from optim.schedule import TrainingSchedule
@@ -294,7 +296,7 @@ def build_model(cfg):
     return model, schedule
 
 
-def graph_inputs(cfg, schedule, model, spec: GraphSpec) -> tuple:
+def graph_inputs(cfg, schedule, spec: GraphSpec) -> tuple:
     """The forward's arguments for one graph, shaped as the run passes them (fake tensors)."""
     from data.loader import cu_seqlens_rows
     from model.gpt import StepArgs
@@ -346,7 +348,7 @@ def cross_compile_preset(cfg, specs: list[GraphSpec], backward: bool = True, pro
             if spec.windows != windows and spec.step < schedule.total_steps:  # the run's YaRN rescale
                 model.rescale_rotary(windows, spec.windows)
                 windows = spec.windows
-            args = graph_inputs(cfg, schedule, model, spec)
+            args = graph_inputs(cfg, schedule, spec)
             contexts = [] if spec.training and backward else [torch.no_grad()]
             progress(f"[{i + 1}/{len(specs)}] {spec.name} ...")
             report = _compile_one(spec, compiled, args, contexts, capture)

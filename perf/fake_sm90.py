@@ -2,7 +2,7 @@
 what a GPU run compiles, and for Triton to compile every kernel to an sm_90 cubin with its own ptxas.
 Nothing ever runs on it: no kernel is loaded, launched or benchmarked.
 
-Used by `python -m perf.cross_compile` (the only caller), in a process of its own. The pieces:
+Used by `python -m perf.cross_compile`, in a process of its own. The pieces:
 - a preloaded C++ library (`PRELOAD_SOURCE`, built once with the C++ compiler against torch's headers)
   that registers c10's no-op `FakeGuardImpl` as the CUDA device guard and CUDA hooks that report one
   device. The guard lets in-place ops and device switches run on fake CUDA tensors; the hooks make
@@ -14,12 +14,15 @@ Used by `python -m perf.cross_compile` (the only caller), in a process of its ow
   namedtuple, so dynamo folds them to constants), a Triton driver whose target is sm_90 and that
   never loads a binary, stubs for what inductor's generated wrapper imports, and the inductor
   steps that would evaluate or time something on the device turned off (each named in
-  `DEVICE_EVALUATING_OPTIONS` with its reason).
+  `DEVICE_EVALUATING_OPTIONS` with its reason). Compile workers are forked, so they inherit it all.
+- `on_fake_cuda()`: factory calls default to the fake device inside a FakeTensorMode, with
+  `torch.tensor(data)` made on the CPU and moved (copying data needs CUDA's kernels).
 - `KernelLedger`: every cubin Triton built, per compiled graph, read where inductor would have made
   its launchers.
 - `fa3_standin()`: FA3's `flash_attn_varlen_func` signature as torch custom ops with shape-only
   (fake) kernels and an autograd formula, so a compiled graph holds FA3 as the opaque extern call
-  the hub build is (the real binary cannot load on a CPU).
+  the hub build is (the real binary cannot load on a CPU). Needs no fake device: the FA3 start-up
+  check's tests use it on the CPU.
 """
 from __future__ import annotations
 
