@@ -8,6 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class ConfigError(ValueError):
+    """The configuration of a run (flags, SPEEDRUN_* variables, preset) cannot work; raised before
+    any work starts. `problems` holds one line each: the flag or variable, its value, what is
+    allowed and the fix. Entry points print them as one-line errors and exit 2, no traceback
+    (config_check.exit_on_config_error); a traceback stays for bugs."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
+
+
 # ================================================================================================
 # Model dimensions (used by model/).
 # ================================================================================================

@@ -22,7 +22,6 @@ import collections
 import contextlib
 import datetime
 import gc
-import glob
 import resource
 import time
 from dataclasses import asdict, dataclass, replace
@@ -31,10 +30,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import RUN_PRESETS, RunConfig
+from config import RUN_PRESETS, ConfigError, RunConfig
+from config_check import (ArgumentParser, check_run, exit_on_config_error, records_folder, records_folder_problems,
+                          shard_globs)
 from data.loader import TrainLoader, dummy_batch, val_batches
 from data.ngram import ngram_hash_sizes
-from data.shards import shard_num_tokens
 from model.canonical_mask import CanonicalMaskBuild
 from model.embeddings import NgramTable
 from model.gpt import GPT, StepArgs
@@ -67,7 +67,7 @@ MIB = 1 << 20
 
 
 def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = ArgumentParser(prog="train_gpt.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Presets: record (8×H100, the #360 recipe; refuses anything else), dev (1-8 "
                                         "CUDA GPUs, same recipe, gradient accumulation), smoke (CPU/gloo, minutes).")
     ap.add_argument("--config", default="record", choices=sorted(RUN_PRESETS), help="preset (default: record)")
@@ -76,11 +76,12 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap.add_argument("--steps", type=int, default=os.environ.get("NUM_SCHEDULED_ITERATIONS"),
                     help="base scheduled steps before growth and extension (record: 1122; env NUM_SCHEDULED_ITERATIONS)")
     ap.add_argument("--max-steps", type=int, default=None,
-                    help="stop after N steps of the schedule (a quick check: no tail-average ship, not a record)")
+                    help="stop after N >= 1 steps of the schedule (a quick check: no tail-average ship, not a record)")
     ap.add_argument("--seed", type=int, default=os.environ.get("TRAIN_SEED"),
                     help="seed every rank's RNG (env TRAIN_SEED); records run unseeded")
     ap.add_argument("--val-every", type=int, default=None, help="validate every N steps (0: only at the end)")
-    ap.add_argument("--val-tokens", type=int, default=None, help="tokens of each validation")
+    ap.add_argument("--val-tokens", type=int, default=None,
+                    help="tokens of each validation (a multiple of the preset's validation step)")
     ap.add_argument("--label", default=None, help="a label stored in runs.jsonl (group runs with it in the report)")
     ap.add_argument("--records-dir", default=None, help="where logs/ and runs.jsonl go (default: records)")
     ap.add_argument("--no-canonical-mask", action="store_true", help="validate without record #92's canonical mask")
@@ -89,7 +90,7 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap.add_argument("--save-checkpoint", action="store_true", help="save model, optimizer, step, config and code at the end")
     ap.add_argument("--eval-checkpoint", type=Path, default=None, metavar="DIR",
                     help="only run the final validation of a checkpoint saved by --save-checkpoint")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(argv)  # syntax only: config_check.check_run judges the values, all at once
 
     cfg = RUN_PRESETS[args.config]
     overrides = {"data_path": args.data_path, "val_every": args.val_every, "val_tokens": args.val_tokens,
@@ -122,9 +123,6 @@ class Setup:
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        if want_cuda and not torch.cuda.is_available():
-            raise RuntimeError(f"--config {cfg.name} needs CUDA GPUs, but torch.cuda.is_available() is False "
-                               f"(torch {torch.__version__}); use --config smoke on a CPU machine")
         self.device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
         if want_cuda:
             torch.cuda.set_device(self.device)
@@ -135,14 +133,11 @@ class Setup:
         self.virtual_ranks = list(range(self.rank * self.accum, (self.rank + 1) * self.accum))
 
     def check(self, cfg: RunConfig) -> None:
-        if self.world_size not in cfg.allowed_world_sizes or cfg.virtual_world_size % self.world_size:
-            raise RuntimeError(f"--config {cfg.name} runs on {' or '.join(map(str, cfg.allowed_world_sizes))} "
-                               f"process(es), got WORLD_SIZE={self.world_size} (torchrun --nproc_per_node); "
-                               f"--config dev runs on 1, 2, 4 or 8 GPUs, --config smoke on 1 or 2 CPU processes")
+        """The record's node checks (the configuration itself was checked up front, config_check.py)."""
         if cfg.requires_fast_path:  # a record run never falls back to a slower path
             assert_record_backends(self.backend)
             # the node's stack, GPUs, driver, CUDA 13 runtime, data, BPE files, disk, RAM, compiler
-            raise_on_fail(cheap_checks(cfg, data_files=data_files))
+            raise_on_fail(cheap_checks(cfg))
 
     def init_process_group(self) -> None:
         if self.world_size > 1:
@@ -154,28 +149,6 @@ class Setup:
             torch.cuda.synchronize()
         if self.world_size > 1:
             dist.barrier()
-
-
-def data_files(cfg: RunConfig) -> tuple[str, str]:
-    """The train and val globs, checked to match files and to hold enough tokens for the schedule."""
-    root = Path(cfg.data_path)
-    if not root.is_absolute() and not root.exists():
-        root = REPO_ROOT / root
-    train_glob, val_glob = str(root / cfg.train_pattern), str(root / cfg.val_pattern)
-    how = ("python data/cached_fineweb10B.py 9" if "fineweb" in cfg.train_pattern else
-           "python data/tokenize.py YOUR_TEXT... --out DIR, then --data-path DIR")
-    for kind, pattern in (("training", train_glob), ("validation", val_glob)):
-        if not glob.glob(pattern):
-            raise FileNotFoundError(f"no {kind} shards match {pattern}: get them with `{how}` "
-                                    f"(or point --data-path / DATA_PATH at them)")
-    schedule = TrainingSchedule(cfg.schedule)
-    needed = sum(schedule.batch_tokens(s) + cfg.virtual_world_size for s in range(schedule.total_steps))
-    have = sum(shard_num_tokens(f) for f in sorted(glob.glob(train_glob)))
-    if have < needed:
-        raise ValueError(f"training data too small: the {schedule.total_steps}-step schedule reads at least "
-                         f"{needed:,} tokens but {train_glob} holds {have:,}; add shards (`{how}`) or "
-                         f"shorten the schedule (--steps)")
-    return train_glob, val_glob
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -618,22 +591,55 @@ def load_checkpoint(run: Run, folder: Path) -> int:
 
 
 def main(argv=None) -> None:
+    # bad input is refused before any work: one line per problem, exit 2, a `failed` runs.jsonl line
+    with exit_on_config_error("train_gpt.py", is_master=os.environ.get("RANK", "0") in ("0", "")):
+        try:
+            cfg, args = parse_args(argv)
+            check_run(cfg, args)  # flags, SPEEDRUN_*, world size, schedule, data, checkpoint: all at once
+        except ConfigError as refusal:
+            record_refusal(argv, refusal)
+            raise
+        try:
+            run_one(cfg, args)
+        finally:  # also after a failure, so torchrun's other ranks are not left waiting on a collective
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def record_refusal(argv, refusal: ConfigError) -> None:
+    """The refused run's `failed` runs.jsonl line (and log), where --records-dir can take them; read
+    leniently from argv, since the flags themselves may be what was refused."""
+    lenient = argparse.ArgumentParser(add_help=False)
+    for flag in ("--config", "--records-dir", "--label"):
+        lenient.add_argument(flag)
     try:
-        run_one(*parse_args(argv))
-    finally:  # also after a failure, so torchrun's other ranks are not left waiting on a collective
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        known, _ = lenient.parse_known_args(argv)
+    except (SystemExit, argparse.ArgumentError):
+        known = argparse.Namespace(config=None, records_dir=None, label=None)
+    name = known.config or "record"
+    preset = RUN_PRESETS.get(name, RUN_PRESETS["record"])
+    records = records_folder(replace(preset, records_dir=known.records_dir or preset.records_dir))
+    unwritable = records_folder_problems(records)
+    if unwritable:  # nowhere to record it: the message says so, with the other problems
+        refusal.problems.extend(p for p in unwritable if p not in refusal.problems)
+        return
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    with contextlib.suppress(ConfigError), \
+            RunRecorder(config=name, world_size=int(world_size) if world_size.isdigit() else 0,
+                        rank=0 if os.environ.get("RANK", "0") in ("0", "") else 1, label=known.label or "",
+                        logs_dir=records / "logs", runs_path=records / "runs.jsonl", console=False):
+        raise refusal
 
 
 def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
-    records = Path(cfg.records_dir) if Path(cfg.records_dir).is_absolute() else REPO_ROOT / cfg.records_dir
+    records = records_folder(cfg)
     with RunRecorder(config=cfg.name, world_size=int(os.environ.get("WORLD_SIZE", 1)),
                      rank=int(os.environ.get("RANK", 0)), label=cfg.label,
                      logs_dir=records / "logs", runs_path=records / "runs.jsonl") as rec:
         log = rec.log
         setup = Setup(cfg)
         setup.check(cfg)
-        train_glob, val_glob = data_files(cfg)
+        train_glob, val_glob = shard_globs(cfg)
         setup.init_process_group()
         log.print0(f"config {cfg.name}: {setup.world_size} process(es) × {setup.accum} accumulation step(s) "
                    f"= {cfg.virtual_world_size} ranks of the recipe; device {setup.device}; backend {setup.backend}",

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from perf.collectives import all_gather_single
+
 
 def gpt2_encoding():
     """tiktoken's GPT-2 encoding (read from TIKTOKEN_CACHE_DIR; tiktoken keeps it once loaded)."""
@@ -115,7 +117,7 @@ def build_prefix_table_slice(vocab_size: int, rank: int, world_size: int,
 def build_prefix_table_sharded(vocab_size: int, rank: int, world_size: int, device: torch.device | str,
                                group: dist.ProcessGroup | None = None) -> Tensor:
     """The whole int64 [vocab_size] table on `device`, each of the `world_size` processes of `group`
-    building its slice of GPT-2's table and one all_gather_into_tensor assembling them (rank order =
+    building its slice of GPT-2's table and one all-gather assembling them (rank order =
     id order). Every process of the group must call it. No host sync: on CUDA the gather is queued
     on the current stream."""
     if not dist.is_initialized():
@@ -130,7 +132,7 @@ def build_prefix_table_sharded(vocab_size: int, rank: int, world_size: int, devi
     own = build_prefix_table_slice(vocab_size, rank, world_size)
     piece[:own.numel()] = own
     gathered = torch.empty(world_size * chunk, dtype=torch.long, device=device)
-    dist.all_gather_into_tensor(gathered, piece.to(device), group=group)
+    all_gather_single(gathered, piece.to(device), group=group)
     return gathered[:vocab_size]
 
 

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from config import MODEL_PRESETS, RUN_PRESETS, ModelConfig, RunConfig
+from config_check import ArgumentParser, exit_on_config_error, positive_int
 from data.loader import dummy_batch
 from data.ngram import ngram_hash_sizes
 from model import attention as model_attention
@@ -513,21 +514,27 @@ def format_memory(report: MemoryReport, top: int = 6) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="record", choices=sorted(MODEL_PRESETS))
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="ranks (processes) the table and the optimizer states are sharded over (default: 8; "
-                             "with --memory, the preset's ranks)")
-    parser.add_argument("--memory", action="store_true",
-                        help="per-rank memory of a training run: static items, per-geometry saved tensors, "
-                             "peak estimate")
-    args = parser.parse_args(argv)
+    with exit_on_config_error("python -m model.summary"):
+        args = _parse_args(argv)
     if args.memory:
         cfg = RUN_PRESETS[args.config]
         print(format_memory(memory_report(cfg, args.world_size or cfg.virtual_world_size)))
         return
     cfg = MODEL_PRESETS[args.config]
     print(format_summary(cfg, build_on_meta(cfg), args.world_size or 8))
+
+
+def _parse_args(argv) -> argparse.Namespace:
+    parser = ArgumentParser(prog="python -m model.summary", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="record", choices=sorted(MODEL_PRESETS))
+    parser.add_argument("--world-size", type=positive_int, default=None,
+                        help="ranks (processes) the table and the optimizer states are sharded over (default: 8; "
+                             "with --memory, the preset's ranks)")
+    parser.add_argument("--memory", action="store_true",
+                        help="per-rank memory of a training run: static items, per-geometry saved tensors, "
+                             "peak estimate")
+    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":

@@ -56,12 +56,9 @@ from optim.anvil import BankState, BankStepScalars, anvil_update, rail_settings,
 from optim.normuon import muon_momentum, normuon_update
 from optim.row_exchange import RowExchange, RowPlan
 from optim.schedule import TrainingSchedule
+from perf.collectives import all_gather_single, reduce_scatter_single
 from perf.kernels.transpose import transpose_add_, transpose_into
 
-# torch 2.13 renamed the tensor collectives (the old names raise a FutureWarning every call); the
-# record's torch 2.10 has only the old names. Same signatures.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # record #360 (§7): launch the big bank reduce-scatters first; update the small parameters while
 # they are in flight; the mlp bank (largest gather) last. Replicated params go in phase 0.
@@ -503,7 +500,7 @@ class OptimizerManager:
             lo = self.rank * entry.shard.chunk
             return dist.all_reduce(full, op=dist.ReduceOp.AVG, async_op=True), full[lo: lo + entry.shard.chunk]
         out = torch.empty((entry.shard.chunk, *full.shape[1:]), dtype=full.dtype, device=full.device)
-        return _reduce_scatter_single(out, full, op=dist.ReduceOp.AVG, async_op=True), out
+        return reduce_scatter_single(out, full, op=dist.ReduceOp.AVG, async_op=True), out
 
     def _all_gather(self, entry: Entry, local: Tensor):
         if self.world_size == 1:
@@ -513,7 +510,7 @@ class OptimizerManager:
             target = entry.view          # gather straight into the parameter
         else:
             target = torch.empty((shard.padded, *local.shape[1:]), dtype=local.dtype, device=local.device)
-        return _all_gather_single(target, local.contiguous(), async_op=True), target
+        return all_gather_single(target, local.contiguous(), async_op=True), target
 
     def _finish_gather(self, entry: Entry, work, target: Tensor | None) -> None:
         if work is None:   # one process: never padded, the update was in place
@@ -541,7 +538,7 @@ class OptimizerManager:
         if self.world_size == 1:
             return local[:entry.shard.n]
         full = torch.empty((entry.shard.padded, *local.shape[1:]), dtype=local.dtype, device=local.device)
-        _all_gather_single(full, local.contiguous())
+        all_gather_single(full, local.contiguous())
         return full[:entry.shard.n]
 
     # --- for the tail averages -----------------------------------------------------------------

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from config import SCHEDULE_PRESETS, ScheduleConfig, StageConfig
+from config import SCHEDULE_PRESETS, ConfigError, ScheduleConfig, StageConfig
 
 
 @dataclass(frozen=True)
@@ -312,14 +312,18 @@ def plot_schedule(sched: TrainingSchedule, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="record", help=f"one of {sorted(SCHEDULE_PRESETS)}")
-    parser.add_argument("--plot", metavar="FILE.png", help="also draw lr, rail beta, batch and P by step")
-    parser.add_argument("--world-size", type=int, default=8, help="ranks, for the per-rank batch column")
-    args = parser.parse_args(argv)
-    if args.config not in SCHEDULE_PRESETS:
-        parser.error(f"--config {args.config!r}: expected one of {sorted(SCHEDULE_PRESETS)}")
+    from config_check import ArgumentParser, check_preset, exit_on_config_error, positive_int
+
+    with exit_on_config_error("python -m optim.schedule"):
+        parser = ArgumentParser(prog="python -m optim.schedule", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--config", default="record", help=f"one of {sorted(SCHEDULE_PRESETS)}")
+        parser.add_argument("--plot", metavar="FILE.png", help="also draw lr, rail beta, batch and P by step")
+        parser.add_argument("--world-size", type=positive_int, default=8, help="ranks, for the per-rank batch column")
+        args = parser.parse_args(argv)
+        check_preset(args.config, SCHEDULE_PRESETS)
+        if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+            raise ConfigError(f"--plot {args.plot}: its folder does not exist")
     sched = TrainingSchedule(SCHEDULE_PRESETS[args.config])
     print(format_stage_table(sched, args.world_size))
     if args.plot:

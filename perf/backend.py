@@ -69,51 +69,88 @@ class Backend:
                 and self.cuda_graphs)
 
 
-def _env_flag(env, name: str, default: bool) -> bool:
+# Every SPEEDRUN_* variable the project reads; any other name with the prefix is refused as a typo.
+BACKEND_VARIABLES = ("SPEEDRUN_TRITON", "SPEEDRUN_FP8", "SPEEDRUN_ATTENTION", "SPEEDRUN_COMPILE",
+                     "SPEEDRUN_COMPILE_BACKEND", "SPEEDRUN_CUDA_GRAPHS", "SPEEDRUN_SYNC_CHECK",
+                     "SPEEDRUN_HOST_CHECKS", "SPEEDRUN_OVERLAP", "SPEEDRUN_PINNED_BATCHES", "SPEEDRUN_FUSED_QKV",
+                     "SPEEDRUN_SHARDED_PREFIX", "SPEEDRUN_DEFERRED_GATHERS", "SPEEDRUN_ROW_PREFETCH")
+OTHER_VARIABLES = ("SPEEDRUN_FA3_DIR",  # perf/attention_backends.py: a local FA3 build
+                   "SPEEDRUN_FAKE_SM90", "SPEEDRUN_CROSS_COMPILE_TRACEBACK",  # perf/cross_compile.py's own
+                   "SPEEDRUN_CROSS_COMPILE_TEMP_CACHE")
+
+
+def _env_flag(env, name: str, default: bool, problems: list[str]) -> bool:
     value = env.get(name)
     if value is None or value == "":
         return default
     if value not in ("0", "1"):
-        raise ValueError(f"environment variable {name} must be 0 or 1, got {value!r}")
+        problems.append(f"{name}={value}: must be 0 or 1 (unset: {int(default)} here)")
+        return default
     return value == "1"
 
 
+def unknown_variables(env=os.environ) -> list[str]:
+    """One problem per SPEEDRUN_* variable the project does not read (a typo would be ignored)."""
+    import difflib
+
+    known = BACKEND_VARIABLES + OTHER_VARIABLES
+    problems = []
+    for name in sorted(n for n in env if n.startswith("SPEEDRUN_") and n not in known):
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]}?" if close else "see the README's switch table"
+        problems.append(f"{name}={env[name]}: unknown variable, nothing reads it; {hint}")
+    return problems
+
+
 def detect(env=os.environ, device: str | None = None) -> Backend:
-    """The backend for `device` (default: cuda when available) with the env overrides applied."""
+    """The backend for `device` (default: cuda when available) with the env overrides applied.
+    Raises config.ConfigError listing every bad variable at once."""
+    from config import ConfigError
+
+    problems: list[str] = []
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda":
         major, minor = torch.cuda.get_device_capability()
         sm = 10 * major + minor
     else:
         sm = 0
-    attention = env.get("SPEEDRUN_ATTENTION") or ("fa3" if sm == 90 else "flex" if device == "cuda" else "sdpa")
+    default_attention = "fa3" if sm == 90 else "flex" if device == "cuda" else "sdpa"
+    attention = env.get("SPEEDRUN_ATTENTION") or default_attention
     if attention not in ATTENTION_BACKENDS:
-        raise ValueError(f"SPEEDRUN_ATTENTION must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+        problems.append(f"SPEEDRUN_ATTENTION={attention}: must be one of {', '.join(ATTENTION_BACKENDS)} "
+                        f"(unset: {default_attention} here)")
+        attention = default_attention
     compile_backend = env.get("SPEEDRUN_COMPILE_BACKEND") or "inductor"
     if compile_backend not in COMPILE_BACKENDS:
-        raise ValueError(f"SPEEDRUN_COMPILE_BACKEND must be one of {COMPILE_BACKENDS}, got {compile_backend!r}")
-    sync_check = _env_flag(env, "SPEEDRUN_SYNC_CHECK", False)
-    overlap = _env_flag(env, "SPEEDRUN_OVERLAP", True)
-    triton = _env_flag(env, "SPEEDRUN_TRITON", device == "cuda")
+        problems.append(f"SPEEDRUN_COMPILE_BACKEND={compile_backend}: must be one of {', '.join(COMPILE_BACKENDS)} "
+                        f"(unset: inductor)")
+        compile_backend = "inductor"
+    flag = lambda name, default: _env_flag(env, name, default, problems)  # noqa: E731
+    sync_check = flag("SPEEDRUN_SYNC_CHECK", False)
+    overlap = flag("SPEEDRUN_OVERLAP", True)
+    triton = flag("SPEEDRUN_TRITON", device == "cuda")
     if triton and device == "cpu" and env.get("TRITON_INTERPRET") != "1":
-        raise ValueError("SPEEDRUN_TRITON=1 on CPU runs Triton's interpreter: set TRITON_INTERPRET=1 too")
-    return Backend(
+        problems.append("SPEEDRUN_TRITON=1 on CPU runs Triton's interpreter: set TRITON_INTERPRET=1 too")
+    backend = Backend(
         device=device,
         sm=sm,
         triton=triton,
-        fp8=_env_flag(env, "SPEEDRUN_FP8", device == "cpu" or sm >= 89),  # torch._scaled_mm: SM89+ or CPU
+        fp8=flag("SPEEDRUN_FP8", device == "cpu" or sm >= 89),  # torch._scaled_mm: SM89+ or CPU
         attention=attention,
-        compile=_env_flag(env, "SPEEDRUN_COMPILE", device == "cuda"),
+        compile=flag("SPEEDRUN_COMPILE", device == "cuda"),
         compile_backend=compile_backend,
-        cuda_graphs=_env_flag(env, "SPEEDRUN_CUDA_GRAPHS", device == "cuda"),
+        cuda_graphs=flag("SPEEDRUN_CUDA_GRAPHS", device == "cuda"),
         sync_check=sync_check,
-        host_checks=_env_flag(env, "SPEEDRUN_HOST_CHECKS", device == "cpu" and not sync_check),
-        pinned_batches=_env_flag(env, "SPEEDRUN_PINNED_BATCHES", overlap),
-        fused_qkv=_env_flag(env, "SPEEDRUN_FUSED_QKV", overlap),
-        sharded_prefix=_env_flag(env, "SPEEDRUN_SHARDED_PREFIX", overlap),
-        deferred_gathers=_env_flag(env, "SPEEDRUN_DEFERRED_GATHERS", overlap),
-        row_prefetch=_env_flag(env, "SPEEDRUN_ROW_PREFETCH", overlap),
+        host_checks=flag("SPEEDRUN_HOST_CHECKS", device == "cpu" and not sync_check),
+        pinned_batches=flag("SPEEDRUN_PINNED_BATCHES", overlap),
+        fused_qkv=flag("SPEEDRUN_FUSED_QKV", overlap),
+        sharded_prefix=flag("SPEEDRUN_SHARDED_PREFIX", overlap),
+        deferred_gathers=flag("SPEEDRUN_DEFERRED_GATHERS", overlap),
+        row_prefetch=flag("SPEEDRUN_ROW_PREFETCH", overlap),
     )
+    if problems:
+        raise ConfigError(problems)
+    return backend
 
 
 def require_fast_path(backend: Backend) -> None:

@@ -8,7 +8,6 @@ to a temp dir, then times TrainLoader.next_batch with prefetch off (the whole as
 document split, this rank's concatenation, the n-gram row and sign hashes, cu_seqlens), its parts,
 and, with prefetch on, what a caller that trains ~33 ms per step still waits. Target: < 5 ms.
 """
-import argparse
 import os
 import statistics
 import sys
@@ -20,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, w
 
 import numpy as np  # noqa: E402
 
+from config_check import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from data.loader import TrainLoader, attention_segment_ends, document_spans  # noqa: E402
 from data.ngram import ngram_row_ids, ngram_sign_rows  # noqa: E402
 from data.shards import BOS_ID, read_shard, write_shard  # noqa: E402
@@ -39,15 +39,16 @@ def summary(times_s: list[float]) -> str:
     return f"median {statistics.median(ms):6.2f} ms  mean {statistics.mean(ms):6.2f} ms  max {max(ms):6.2f} ms"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens-per-rank", type=int, default=49152, help="stage 2 (record #360 §6.2)")
-    parser.add_argument("--doc-cap", type=int, default=3072, help="stage 2 doc cap (record #360 §6.2)")
-    parser.add_argument("--world-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--shard-tokens", type=int, default=40_000_000)
+def main(argv=None):
+    parser = ArgumentParser(prog="python -m perf.bench_loader", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens-per-rank", type=positive_int, default=49152, help="stage 2 (record #360 §6.2)")
+    parser.add_argument("--doc-cap", type=positive_int, default=3072, help="stage 2 doc cap (record #360 §6.2)")
+    parser.add_argument("--world-size", type=positive_int, default=8)
+    parser.add_argument("--steps", type=positive_int, default=40)
+    parser.add_argument("--shard-tokens", type=positive_int, default=40_000_000)
     parser.add_argument("--train-ms", type=float, default=33.0, help="simulated step time (#360 stage 2)")
-    args = parser.parse_args()
+    with exit_on_config_error("python -m perf.bench_loader"):
+        args = parser.parse_args(argv)
     T, cap, W = args.tokens_per_rank, args.doc_cap, args.world_size
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,7 +10,6 @@ Prints numbers only; nothing here is asserted.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from config import SCHEDULE_PRESETS, OptimConfig  # noqa: E402
+from config_check import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from optim.anvil import ANVIL_MAPS, cascade_flops  # noqa: E402
 from optim.manager import OptimizerManager  # noqa: E402
 from optim.normuon import POLAR_EXPRESS_MAPS  # noqa: E402
@@ -69,11 +69,12 @@ def time_steps(model_kind: str, bank_optimizer: str, steps: int) -> tuple[float,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m perf.bench_optim", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("smoke", "small", "record"), default="smoke")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--world-size", type=int, default=8, help="ranks for the FLOP count")
-    args = parser.parse_args(argv)
+    parser.add_argument("--steps", type=positive_int, default=30)
+    parser.add_argument("--world-size", type=positive_int, default=8, help="ranks for the FLOP count")
+    with exit_on_config_error("python -m perf.bench_optim"):
+        args = parser.parse_args(argv)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, one process")
     for opt in ("anvil", "normuon"):

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from config import MODEL_PRESETS
+from config_check import ArgumentParser, exit_on_config_error, non_negative_int, positive_int
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
 
@@ -37,16 +38,17 @@ def step_seconds(model: GPT, batch, step: StepArgs) -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m perf.bench_residual_fusion", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="smoke", choices=sorted(MODEL_PRESETS))
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tokens", type=positive_int, default=256)
+    parser.add_argument("--steps", type=positive_int, default=10)
     parser.add_argument("--fp32", action="store_true", help="fp32 weights and activations instead of bf16")
     parser.add_argument("--no-fp8", action="store_true", help="bf16 MLPs and lm_head in training")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (tiny ops: 1 is fastest)")
-    parser.add_argument("--candidates", type=int, default=0,
+    parser.add_argument("--threads", type=positive_int, default=1, help="intra-op threads (tiny ops: 1 is fastest)")
+    parser.add_argument("--candidates", type=non_negative_int, default=0,
                         help="sampled softmax over this many classes (record stage 0: 10240); 0 = full softmax")
-    args = parser.parse_args(argv)
+    with exit_on_config_error("python -m perf.bench_residual_fusion"):
+        args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = MODEL_PRESETS[args.config]
     dtype = torch.float32 if args.fp32 else torch.bfloat16

@@ -24,7 +24,6 @@ the bytes counted per rank, to and from the other ranks (a rank's own rows never
 It also times the host planning (numpy) per step and per event. When the text wraps, the steps of
 a cycle repeat text, so the cycle's distinct rows (both pushes' bytes) are fewer than on FineWeb.
 """
-import argparse
 import os
 import statistics
 import sys
@@ -41,7 +40,8 @@ if (SHARED / "tiktoken_cache").is_dir():
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from config import ModelConfig  # noqa: E402
+from config import ConfigError, ModelConfig  # noqa: E402
+from config_check import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from data.ngram import ngram_row_ids  # noqa: E402
 from optim.row_exchange import RowPlan, plan_push, split_requests  # noqa: E402
 
@@ -80,13 +80,17 @@ def others(counts, rank: int) -> int:
     return sum(c for i, c in enumerate(counts) if i != rank)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    parser = ArgumentParser(prog="python -m perf.bench_rows", description=__doc__.split("\n\n")[0])
     parser.add_argument("--text", type=Path, default=SHARED / "data" / "tinyshakespeare.txt")
-    parser.add_argument("--world-size", type=int, default=8)            # record #360: 8 ranks
-    parser.add_argument("--tokens-per-rank", type=int, default=49152)   # record #360: stage-2 batch per rank
-    parser.add_argument("--cycle-steps", type=int, default=4)           # record #360: events every 4th step from 336
-    args = parser.parse_args()
+    parser.add_argument("--world-size", type=positive_int, default=8)            # record #360: 8 ranks
+    parser.add_argument("--tokens-per-rank", type=positive_int, default=49152)   # record #360: stage-2 batch per rank
+    parser.add_argument("--cycle-steps", type=positive_int, default=4)           # record #360: events every 4th step from 336
+    with exit_on_config_error("python -m perf.bench_rows"):
+        args = parser.parse_args(argv)
+        if not args.text.is_file():
+            raise ConfigError(f"--text {args.text}: no such file; pass an English text file (default: "
+                              f"../shared/data/tinyshakespeare.txt)")
     world, tokens, steps = args.world_size, args.tokens_per_rank, args.cycle_steps
     cfg = ModelConfig()
     num_rows, dim = cfg.ngram_rows, cfg.model_dim                      # record #360: 84,602,880 x 768

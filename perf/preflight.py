@@ -22,7 +22,6 @@ Run the tests: pytest tests/perf/test_perf_preflight.py -q
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import ctypes
 import glob
@@ -256,7 +255,7 @@ def check_nccl(answer: dict, world_size: int) -> Row:
 
 
 def check_data(error: str | None, train_glob: str) -> Row:
-    """error: the message of train_gpt.data_files(cfg) (missing shards, too few tokens), None when it passed."""
+    """error: config_check's data problems (missing shards, too few tokens), None when it passed."""
     if error:
         fix = None if "fineweb" in train_glob else "python data/tokenize.py YOUR_TEXT... --out DIR, then --data-path DIR"
         return _row("data", False, error, fix)
@@ -429,17 +428,19 @@ def probe_nccl(world_size: int | None = None, backend: str = "nccl") -> tuple[di
         return {"error": f"{type(exc).__name__}: {last}"}, world_size or 0
 
 
-def probe_data(cfg, data_files=None) -> tuple[str | None, str]:
-    """train_gpt.data_files(cfg)'s verdict: None, or its error message. A running train_gpt passes its
-    own `data_files` (importing train_gpt from its __main__ would load it a second time)."""
-    train_glob = str(Path(cfg.data_path) / cfg.train_pattern)
+def probe_data(cfg) -> tuple[str | None, str]:
+    """train_gpt's up-front data check for the whole schedule (config_check.data_problems): None, or
+    its problems."""
+    from config_check import data_problems, shard_globs
+    from optim.schedule import TrainingSchedule
+
+    train_glob = shard_globs(cfg)[0]
     try:
-        if data_files is None:
-            from train_gpt import data_files
-        data_files(cfg)
-        return None, train_glob
-    except Exception as exc:
-        return f"{exc}", train_glob
+        schedule = TrainingSchedule(cfg.schedule)
+    except ValueError as exc:
+        return f"the schedule cannot be built: {exc}", train_glob
+    problems = data_problems(cfg, schedule.total_steps, schedule)
+    return ("; ".join(problems) or None), train_glob
 
 
 def probe_tiktoken() -> tuple[dict[str, bool], str | None]:
@@ -521,7 +522,7 @@ def _relax(rows: list[Row], record: bool, needs_cuda: bool) -> list[Row]:
     return [replace(r, status=WARN) if r.status == FAIL and r.name in relaxed else r for r in rows]
 
 
-def run_checks(cfg, full: bool = True, raw: dict | None = None, data_files=None) -> list[Row]:
+def run_checks(cfg, full: bool = True, raw: dict | None = None) -> list[Row]:
     """Every check for `cfg` (full: also FA3, a Triton launch and NCCL); raw collects each probe's answer."""
     raw = raw if raw is not None else {}
     record = cfg.requires_fast_path
@@ -542,7 +543,7 @@ def run_checks(cfg, full: bool = True, raw: dict | None = None, data_files=None)
         rows.append(check_triton(raw["triton"]))
         raw["nccl"], world_size = probe_nccl()
         rows.append(check_nccl(raw["nccl"], world_size))
-    raw["data"] = probe_data(cfg, data_files)
+    raw["data"] = probe_data(cfg)
     rows.append(check_data(*raw["data"]))
     if cfg.canonical_mask:
         raw["tiktoken"] = probe_tiktoken()
@@ -557,11 +558,10 @@ def run_checks(cfg, full: bool = True, raw: dict | None = None, data_files=None)
     return _relax(rows, record, needs_cuda=cfg.device == "cuda")
 
 
-def cheap_checks(cfg, data_files=None) -> list[Row]:
+def cheap_checks(cfg) -> list[Row]:
     """The checks a training rank can run before the clock: no FA3 load, no kernel, no process group,
-    and no idle check (the run's own ranks already hold GPU memory). data_files: train_gpt's, when
-    the caller is train_gpt (else imported from it)."""
-    return run_checks(cfg, full=False, data_files=data_files)
+    and no idle check (the run's own ranks already hold GPU memory)."""
+    return run_checks(cfg, full=False)
 
 
 def raise_on_fail(rows: list[Row]) -> None:
@@ -595,14 +595,22 @@ def write_environment(path: Path, raw: dict, rows: list[Row]) -> Path:
 
 
 def main(argv=None) -> int:
-    from config import RUN_PRESETS
+    from config import RUN_PRESETS, ConfigError
+    from config_check import ArgumentParser, exit_on_config_error, records_folder_problems
 
-    ap = argparse.ArgumentParser(prog="python -m perf.preflight", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="record", choices=sorted(RUN_PRESETS), help="preset (default: record)")
-    ap.add_argument("--data-path", default=os.environ.get("DATA_PATH"), help="folder holding the shards (env DATA_PATH)")
-    ap.add_argument("--records-dir", default=None, help="environment.txt goes to <records-dir>/logs/ (default: the preset's)")
-    ap.add_argument("--dry-run", action="store_true", help="list the checks (name, what, fix) without running them")
-    args = ap.parse_args(argv)
+    with exit_on_config_error("python -m perf.preflight"):
+        ap = ArgumentParser(prog="python -m perf.preflight", description=__doc__.split("\n\n")[0])
+        ap.add_argument("--config", default="record", choices=sorted(RUN_PRESETS), help="preset (default: record)")
+        ap.add_argument("--data-path", default=os.environ.get("DATA_PATH"), help="folder holding the shards (env DATA_PATH)")
+        ap.add_argument("--records-dir", default=None,
+                        help="environment.txt goes to <records-dir>/logs/ (default: the preset's)")
+        ap.add_argument("--dry-run", action="store_true", help="list the checks (name, what, fix) without running them")
+        args = ap.parse_args(argv)
+        records_dir = Path(args.records_dir or RUN_PRESETS[args.config].records_dir)
+        if not records_dir.is_absolute():
+            records_dir = REPO_ROOT / records_dir
+        if not args.dry_run and records_folder_problems(records_dir):
+            raise ConfigError(records_folder_problems(records_dir))
     if args.dry_run:
         width = max(len(c.name) for c in CHECKS)
         for c in CHECKS:
@@ -612,9 +620,6 @@ def main(argv=None) -> int:
     raw: dict = {"config": cfg.name, "data_path": cfg.data_path}
     rows = run_checks(cfg, full=True, raw=raw)
     print(format_rows(rows))
-    records_dir = Path(args.records_dir or cfg.records_dir)
-    if not records_dir.is_absolute():
-        records_dir = REPO_ROOT / records_dir
     env = write_environment(records_dir / "logs" / "environment.txt", raw, rows)
     failed = sum(r.status == FAIL for r in rows)
     print(f"\n{failed} FAIL, {sum(r.status == WARN for r in rows)} WARN of {len(rows)} checks; the node as found: {env}")

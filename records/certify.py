@@ -49,6 +49,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from config_check import ArgumentParser, exit_on_config_error
 from records import report
 from records.run_log import parse_log
 
@@ -678,7 +679,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         argv, train_args = argv[:cut], argv[cut + 1:]
     else:
         train_args = []
-    ap = argparse.ArgumentParser(prog="python -m records.certify", description=__doc__.split("\n\n")[0],
+    ap = ArgumentParser(prog="python -m records.certify", description=__doc__.split("\n\n")[0],
                                  usage="python -m records.certify --baseline REV --candidate REV --runs N [options] "
                                        "-- TRAIN_GPT_ARGS...")
     ap.add_argument("--baseline", required=True, help="the revision to beat (branch, tag, commit, HEAD~1)")
@@ -699,7 +700,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, raw_train_args = parse_args(sys.argv[1:] if argv is None else argv)
+    with exit_on_config_error("python -m records.certify"):  # one line, exit 2
+        args, raw_train_args = parse_args(sys.argv[1:] if argv is None else argv)
     cwd = Path.cwd()
     try:
         repo = Path(git(["rev-parse", "--show-toplevel"], cwd))
@@ -714,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
             return dry_run(plan, out_dir)
         return certify(plan, out_dir, args.resume, env)
     except CertifyError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"python -m records.certify: error: {e}", file=sys.stderr)
         return 2
 
 

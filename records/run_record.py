@@ -7,12 +7,13 @@
 
 Leaving the block appends exactly one runs.jsonl line on rank 0: `finished` after `finish()`,
 `interrupted` on Ctrl-C, `failed` (with the error) on any exception or if `finish()` was never
-called. The exception still propagates; the log is flushed and closed first.
+called; a config.ConfigError is logged as the refusal's reasons, without a traceback. The exception still propagates; the log is flushed and closed first.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from config import ConfigError
 from records.run_log import DEFAULT_LOGS_DIR, RunLog, device_names
 from records.runs_log import DEFAULT_RUNS_PATH, RunRecord, append_run, new_run_id, now_iso
 
@@ -64,6 +65,10 @@ class RunRecorder:
         elif exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
             self.record.status = "interrupted"
             self.record.error = f"interrupted (Ctrl-C) after step {self.record.steps}"
+        elif exc_type is not None and issubclass(exc_type, ConfigError):  # refused up front: no traceback
+            self.record.status = "failed"
+            self.record.error = "refused before training: " + "; ".join(exc.problems)
+            exc_type = exc = tb = None
         else:
             self.record.status = "failed"
             self.record.error = (f"{exc_type.__name__}: {exc}" if exc_type is not None
@@ -71,5 +76,5 @@ class RunRecorder:
         if self.is_master:
             if self.record.error:
                 self.log.print0(f"run {self.record.status}: {self.record.error}", console=True)
-            self.log.__exit__(exc_type, exc, tb)  # flush, log the traceback, close
+            self.log.__exit__(exc_type, exc, tb)  # flush, log the traceback (of a bug), close
             append_run(self.record, self.runs_path)

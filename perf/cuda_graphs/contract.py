@@ -51,7 +51,6 @@ perf/cuda_graphs/capture.py captures and replays them):
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import linecache
@@ -472,23 +471,39 @@ def summary(checker: ContractChecker, steps: int, config: str) -> tuple[str, int
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="smoke", help="run preset (default: smoke)")
-    ap.add_argument("--steps", type=int, default=6, help="training steps to check, from step 0 (default: 6)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data-path", default=None,
-                    help="train on these shards (train_gpt.py's --data-path) instead of dummy batches")
-    args = ap.parse_args(argv)
-    if args.steps < 3:
-        ap.error("--steps must be at least 3: a key needs a warm-up call, a capture call and a call to compare")
-    import train_gpt
+    from config import RUN_PRESETS, ConfigError
+    from config_check import (ArgumentParser, check_preset, data_problems, exit_on_config_error, non_negative_int,
+                              shard_globs)
+    from optim.schedule import TrainingSchedule
+
+    prog = "python -m perf.cuda_graphs.contract"
+    with exit_on_config_error(prog):
+        ap = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+        ap.add_argument("--config", default="smoke", help="run preset (default: smoke)")
+        ap.add_argument("--steps", type=int, default=6, help="training steps to check, from step 0 (default: 6)")
+        ap.add_argument("--seed", type=non_negative_int, default=0)
+        ap.add_argument("--data-path", default=None,
+                        help="train on these shards (train_gpt.py's --data-path) instead of dummy batches")
+        args = ap.parse_args(argv)
+        check_preset(args.config, RUN_PRESETS)
+        cfg = RUN_PRESETS[args.config]
+        total = TrainingSchedule(cfg.schedule).total_steps
+        if not 3 <= args.steps <= total:
+            raise ConfigError(f"--steps {args.steps}: must be in [3, {total}]: a key needs a warm-up call, a capture "
+                              f"call and a call to compare, and --config {args.config} has {total} steps")
+        if args.data_path is not None:
+            cfg = dataclasses.replace(cfg, data_path=args.data_path)
+            schedule = TrainingSchedule(cfg.schedule)
+            problems = data_problems(cfg, args.steps, schedule, validation=False)
+            if problems:
+                raise ConfigError(problems)
     from data.loader import TrainLoader
     from perf import backend as perf_backend
     with perf_backend.use_backend(host_checks=False):  # the CPU-only debugging reads a GPU never does
         run = build_run(args.config, args.seed)
         loader = None
         if args.data_path is not None:
-            train_glob, _ = train_gpt.data_files(dataclasses.replace(run.cfg, data_path=args.data_path))
+            train_glob, _ = shard_globs(cfg)
             loader = TrainLoader(train_glob, run.setup.virtual_ranks, run.cfg.virtual_world_size, **run.hash_sizes)
         try:
             checker = check_run(run, args.steps, loader=loader)

@@ -1,4 +1,6 @@
 """The backend switch: hardware defaults, env overrides, the record's refusal message."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ def test_triton_on_cpu_is_opt_in_and_needs_the_interpreter():
 def test_env_overrides_and_bad_values():
     b = be.detect(env={"SPEEDRUN_FP8": "0", "SPEEDRUN_ATTENTION": "flex"}, device="cpu")
     assert (b.fp8, b.attention) == (False, "flex")
-    with pytest.raises(ValueError, match="SPEEDRUN_FP8 must be 0 or 1"):
+    with pytest.raises(ValueError, match="SPEEDRUN_FP8=yes: must be 0 or 1"):
         be.detect(env={"SPEEDRUN_FP8": "yes"}, device="cpu")
     with pytest.raises(ValueError, match="SPEEDRUN_ATTENTION"):
         be.detect(env={"SPEEDRUN_ATTENTION": "xformers"}, device="cpu")
@@ -44,7 +46,7 @@ def test_record_refuses_anything_but_the_fast_path():
 def test_cuda_graphs_default_on_cuda_only_and_switchable():
     assert be.detect(env={}, device="cpu").cuda_graphs is False
     assert be.detect(env={"SPEEDRUN_CUDA_GRAPHS": "1"}, device="cpu").cuda_graphs is True  # the CPU twin
-    with pytest.raises(ValueError, match="SPEEDRUN_CUDA_GRAPHS must be 0 or 1"):
+    with pytest.raises(ValueError, match="SPEEDRUN_CUDA_GRAPHS=on: must be 0 or 1"):
         be.detect(env={"SPEEDRUN_CUDA_GRAPHS": "on"}, device="cpu")
 
 
@@ -64,7 +66,7 @@ def test_compile_backend_sync_check_and_host_checks():
     assert (checked.compile, checked.compile_backend, checked.sync_check, checked.host_checks) == \
         (True, "aot_eager", True, False)
     assert be.detect(env={"SPEEDRUN_HOST_CHECKS": "0"}, device="cpu").host_checks is False
-    with pytest.raises(ValueError, match="SPEEDRUN_COMPILE_BACKEND must be one of"):
+    with pytest.raises(ValueError, match="SPEEDRUN_COMPILE_BACKEND=cudagraphs: must be one of"):
         be.detect(env={"SPEEDRUN_COMPILE_BACKEND": "cudagraphs"}, device="cpu")
     fast = be.Backend(device="cuda", sm=90, triton=True, fp8=True, attention="fa3", compile=True,
                       compile_backend="aot_eager", cuda_graphs=True)
@@ -81,3 +83,17 @@ def test_host_checks_follow_the_switch_and_never_run_inside_compile():
     with be.use_backend(host_checks=False):
         assert not be.host_checks()
     torch._dynamo.reset()
+
+
+def test_every_bad_variable_is_reported_at_once_and_typos_are_named():
+    from config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        be.detect(env={"SPEEDRUN_FP8": "2", "SPEEDRUN_ATTENTION": "flash", "SPEEDRUN_ROW_PREFETCH": "true"}, device="cpu")
+    assert [p.split(":")[0] for p in err.value.problems] == [
+        "SPEEDRUN_ATTENTION=flash", "SPEEDRUN_FP8=2", "SPEEDRUN_ROW_PREFETCH=true"]
+    assert be.unknown_variables({"SPEEDRUN_CUDAGRAPHS": "1", "SPEEDRUN_FA3_DIR": "/x", "OTHER": "1"}) == [
+        "SPEEDRUN_CUDAGRAPHS=1: unknown variable, nothing reads it; did you mean SPEEDRUN_CUDA_GRAPHS?"]
+    # the README's switch table names every variable the backend reads
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert [name for name in be.BACKEND_VARIABLES if name not in readme] == []

@@ -161,10 +161,6 @@ def test_cheap_checks_on_this_cpu_machine(tmp_path):
     # the smoke preset needs none of the record's stack: those become warnings
     smoke = pf.cheap_checks(replace(RUN_PRESETS["smoke"], data_path=str(tmp_path)))
     assert {r.name for r in smoke if r.status == pf.FAIL} & set(pf.RECORD_ONLY) == set()
-    # train_gpt passes its own data_files (it runs as __main__): that one is called, nothing imported
-    seen = []
-    rows = pf.cheap_checks(RUN_PRESETS["smoke"], data_files=seen.append)
-    assert seen == [RUN_PRESETS["smoke"]] and [r.status for r in rows if r.name == "data"] == [pf.PASS]
 
 
 def test_write_environment_is_atomic_and_complete(tmp_path):

@@ -51,37 +51,8 @@ def _torchrun(nproc, *args, timeout=900, env=None):
     return proc.stdout
 
 
-# ---- the failures of issue 6, point 4: each a clear message and a runs.jsonl entry -----------------
-
-
-def test_missing_data_names_the_glob_and_the_command(tmp_path):
-    with pytest.raises(FileNotFoundError) as err:
-        _main(tmp_path, "--data-path", str(tmp_path / "nothing"))
-    assert "no training shards match" in str(err.value) and "*_train_*.bin" in str(err.value)
-    assert "python data/tokenize.py" in str(err.value)
-    (entry,) = _runs(tmp_path)
-    assert entry["status"] == "failed" and "no training shards match" in entry["error"]
-
-
-def test_too_few_tokens_for_the_schedule(tmp_path, shards):
-    with pytest.raises(ValueError, match="training data too small: the .*-step schedule reads at least"):
-        _main(tmp_path, "--data-path", str(shards), "--steps", "2000")
-    assert _runs(tmp_path)[0]["status"] == "failed"
-
-
-def test_world_size_the_preset_cannot_use(tmp_path, shards, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(RuntimeError, match=r"--config smoke runs on 1 or 2 process\(es\), got WORLD_SIZE=3"):
-        _main(tmp_path, "--data-path", str(shards))
-    assert _runs(tmp_path)[0]["status"] == "failed"
-
-
-def test_record_preset_refuses_the_cpu(tmp_path, shards, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    with pytest.raises(RuntimeError) as err:
-        train_gpt.main(["--config", "record", "--records-dir", str(tmp_path), "--data-path", str(shards)])
-    assert "needs CUDA GPUs" in str(err.value) or "needs the fast path" in str(err.value)
-    assert _runs(tmp_path)[0]["status"] == "failed"
+# ---- failures during a run: each a clear message and a runs.jsonl entry ---------------------------
+# (bad configurations are refused before the run: tests/run/test_run_bad_input.py)
 
 
 def _poison_forward(monkeypatch, at_call, make):
