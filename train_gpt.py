@@ -47,6 +47,7 @@ from optim.tail_average import TailAverages
 from perf import backend as perf_backend
 from perf.attention_backends import assert_record_backends
 from perf.compile import compile_model, compiled_graphs
+from perf.cost import RunCost, device_peak, schedule_cost
 from perf.cuda_graphs.capture import RegionGraphs
 from perf.cuda_graphs.contract import run_state
 from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS
@@ -542,6 +543,19 @@ def warmup_steps(schedule: TrainingSchedule, region_keys=None, horizon: int | No
     return sorted(steps)
 
 
+def run_cost(cfg: RunConfig, setup: Setup, schedule: TrainingSchedule, log) -> RunCost:
+    """The run's tokens/s and MFU (perf/cost.py). MFU needs the model's FLOPs per geometry, counted
+    on "meta" before the warmup (seconds, off the clock), and the device's datasheet peak: without
+    one (a CPU, a GPU not in perf.cost's table) the log shows no MFU rather than a wrong one."""
+    peak = device_peak(torch.cuda.get_device_name(setup.device)) if setup.device.type == "cuda" else None
+    if peak is None:
+        return RunCost(schedule)
+    cost = RunCost(schedule, schedule_cost(cfg, setup.world_size, optimizer=False), peak)
+    log.print0(f"mfu against {peak.name}: {peak.fp8_tflops:,.0f} fp8 / {peak.bf16_tflops:,.0f} bf16 dense TFLOP/s "
+               f"(perf/cost.py)", console=True)
+    return cost
+
+
 # ----------------------------------------------------------------------------------------------------
 # checkpoints
 # ----------------------------------------------------------------------------------------------------
@@ -659,6 +673,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
             return
 
         # warmup on dummy data at every schedule geometry (compiles them all), then undo it in place
+        cost = run_cost(cfg, setup, schedule, log)  # tokens/s, and MFU where the device's peak is known
         graphs_before_warmup = compiled_graphs()
         steps = min(n, cfg.max_steps) if cfg.max_steps else n
         if cfg.warmup:
@@ -725,7 +740,8 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                         log.print0(f"step:{step + 1}/{n} train_loss:{train_loss:.4f}", console=setup.device.type == "cpu")
                 if (step + 1) % PRINT_EVERY == 0 or step >= n - 2 or step + 1 == steps:
                     elapsed = train_ms + 1000 * (time.perf_counter() - t0)
-                    log.print0(format_step_line(step + 1, n, elapsed), console=True)
+                    log.print0(format_step_line(step + 1, n, elapsed, cost.tokens_per_s(step + 1, elapsed),
+                                                cost.mfu(step + 1, elapsed)), console=True)
         timed_graphs = compiled_graphs() - graphs_before_loop - validation_graphs
         # on the clock: the final windows (no YaRN re-application), the val batches, the canonical
         # mask, the tail-average ship
@@ -761,7 +777,8 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         if cfg.save_checkpoint:
             folder = save_checkpoint(run, steps, records / "logs", log.run_id)
             log.print0(f"checkpoint saved to {folder}", console=True)
-        rec.finish(val_loss=val_loss, train_time_ms=train_ms, steps=steps, peak_memory_mib=peak)
+        rec.finish(val_loss=val_loss, train_time_ms=train_ms, steps=steps, peak_memory_mib=peak,
+                   tokens_per_s=cost.tokens_per_s(steps, train_ms), mfu=cost.mfu(steps, train_ms))
         run.close()
 
 

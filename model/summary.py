@@ -390,10 +390,23 @@ def saved_for_backward(fn, ignore: set[int] = frozenset()) -> tuple[object, dict
     return out, saved
 
 
-def step_memory(rank: RankOnMeta, settings: StepSettings, steps: list[int], flash: bool = True) -> StepMemory:
-    """Run one training forward and backward of `settings`' geometry on "meta" at the per-rank
-    shapes, under the portable backend, and measure what it saves and holds. flash: the attention
-    kernel as a flash kernel keeps it (`flash_attention_standin`); False: SDPA's meta (math) kernel."""
+@dataclasses.dataclass
+class MetaStep:
+    """One training forward's inputs for a schedule geometry, on "meta" at the per-rank shapes (the
+    host batch kept: its cu_seqlens are the documents' lengths, which a meta tensor cannot hold)."""
+    host_batch: object  # data.loader.Batch: dummy_batch's documents of doc_cap tokens
+    batch: object  # the same on "meta"
+    inputs: list[Tensor]  # every tensor the step feeds the model
+    args: StepArgs
+    tokens: int  # T, per virtual rank
+
+    def forward(self, model: GPT) -> Tensor:
+        b = self.batch
+        return model(b.inputs, b.targets, b.cu_seqlens, self.inputs[5], b.ngram_sign_rows, self.args)
+
+
+def meta_step(rank: RankOnMeta, settings: StepSettings, steps: list[int]) -> MetaStep:
+    """The inputs `train_gpt.Run.train_step` gives the model at `settings`' geometry, on "meta"."""
     cfg, m, D = rank.cfg, rank.model, rank.cfg.model.model_dim
     T = settings.batch_tokens // cfg.virtual_world_size
     host = dummy_batch(T, settings.doc_cap, virtual_seq_cap=cfg.schedule.virtual_seq_cap,
@@ -404,18 +417,27 @@ def step_memory(rank: RankOnMeta, settings: StepSettings, steps: list[int], flas
         inverse = torch.empty(2 * T, dtype=torch.int64)  # the plan's inverse map (RowPlan.inverse_dev)
         candidates = torch.empty(settings.softmax_p, dtype=torch.int64) if settings.softmax_p else None
         mtp, prefix = rank.step_weights.load(steps[0])
-        inputs = [batch.inputs, batch.targets, batch.cu_seqlens, batch.ngram_ids, batch.ngram_sign_rows,
-                  rows, inverse] + ([candidates] if candidates is not None else [])
+    inputs = [batch.inputs, batch.targets, batch.cu_seqlens, batch.ngram_ids, batch.ngram_sign_rows,
+              rows, inverse] + ([candidates] if candidates is not None else [])
+    args = StepArgs(ws_short=settings.ws_short, ws_long=settings.ws_long, mtp_weights=mtp,
+                    prefix_weight=prefix, candidates=candidates, training=True, max_seq_len=batch.max_seq_len)
+    return MetaStep(host, batch, inputs, args, T)
+
+
+def step_memory(rank: RankOnMeta, settings: StepSettings, steps: list[int], flash: bool = True) -> StepMemory:
+    """Run one training forward and backward of `settings`' geometry on "meta" at the per-rank
+    shapes, under the portable backend, and measure what it saves and holds. flash: the attention
+    kernel as a flash kernel keeps it (`flash_attention_standin`); False: SDPA's meta (math) kernel."""
+    cfg, m, D = rank.cfg, rank.model, rank.cfg.model.model_dim
+    step = meta_step(rank, settings, steps)
+    T, inputs = step.tokens, step.inputs
+    with torch.device("meta"):
         ignore = {storage_key(t) for t in rank.static_tensors() + inputs}
-        args = StepArgs(ws_short=settings.ws_short, ws_long=settings.ws_long, mtp_weights=mtp,
-                        prefix_weight=prefix, candidates=candidates, training=True,
-                        max_seq_len=batch.max_seq_len)
         tracker = LiveStorages(ignore)
         attention = mock.patch.object(model_attention, "varlen_attention", flash_attention_standin) \
             if flash else contextlib.nullcontext()
         with use_backend(**PORTABLE_BACKEND), attention, tracker:
-            loss, saved = saved_for_backward(lambda: m(batch.inputs, batch.targets, batch.cu_seqlens, rows,
-                                                       batch.ngram_sign_rows, args), ignore)
+            loss, saved = saved_for_backward(lambda: step.forward(m), ignore)
             forward_end = tracker.mark()
             (loss / rank.accum).backward()
             del loss

@@ -6,7 +6,8 @@ Per group (default key: config; any runs.jsonl field works, e.g. label or git_co
 runs: n, mean ± sample std of train time and of val loss, the one-sided t-test of the mean val loss
 being below the 3.28 target (`scipy.stats.ttest_1samp(..., alternative='less')`; t is printed as the
 margin (3.28 − mean)/(s/√n), positive when below, as upstream statistics.md does), and a Welch
-t-test (two-sided) of each group against the baseline group on time and on loss. Printed as a
+t-test (two-sided) of each group against the baseline group on time and on loss, and the mean
+tokens/s and MFU of the runs that logged them (perf/cost.py; "-" where none did). Printed as a
 Markdown table. Without scipy the p-values are left out (the rest still prints); without
 matplotlib --plot is skipped with a message. Malformed lines are reported with their line number.
 """
@@ -132,6 +133,7 @@ def summary_table(groups: dict[str, list[dict]], key: str, baseline: str | None)
               f"p(loss < {TARGET_VAL_LOSS})"]
     if base is not None:
         header += ["Δ time (s)", "p time (Welch)", "Δ loss", "p loss (Welch)"]
+    header += ["tokens/s", "MFU"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, runs in groups.items():
         losses, times = _losses_times(runs)
@@ -140,8 +142,19 @@ def summary_table(groups: dict[str, list[dict]], key: str, baseline: str | None)
             cells += ["-"] * 4
         elif base is not None:
             cells += format_comparison_cells(compare(losses, times, *_losses_times(base)))
+        cells += throughput_cells(runs)
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def throughput_cells(runs: list[dict]) -> list[str]:
+    """Mean tokens/s and MFU of the runs that logged them (perf/cost.py; MFU needs a known GPU): "-"
+    where none did (older runs.jsonl lines, CPU runs for MFU)."""
+    cells = []
+    for field, fmt in (("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}")):
+        values = [r[field] for r in runs if isinstance(r.get(field), (int, float))]
+        cells.append(fmt.format(statistics.fmean(values)) if values else "-")
+    return cells
 
 
 def plot_runs(groups: dict[str, list[dict]], out_path: Path) -> None:

@@ -48,7 +48,9 @@ class RunRecorder:
             self.record.train_time_ms = train_time_ms
 
     def finish(self, val_loss: float, train_time_ms: float, steps: int,
-               peak_memory_mib: tuple[float, float] | None = None) -> None:
+               peak_memory_mib: tuple[float, float] | None = None, tokens_per_s: float | None = None,
+               mfu: float | None = None) -> None:
+        self.record.tokens_per_s, self.record.mfu = tokens_per_s, mfu
         self.record.val_loss = float(val_loss)
         self.record.train_time_ms = float(train_time_ms)
         self.record.steps = steps

@@ -3,7 +3,8 @@
 Every run that started appends exactly one line when it ends: finished, failed or interrupted.
 Fields (DESIGN.md "Logs and records"): run_id, started (ISO time), config, label, world_size,
 device, git_commit, git_dirty, steps, train_time_ms, val_loss, peak_memory_allocated_mib,
-peak_memory_reserved_mib, status, error, log_path.
+peak_memory_reserved_mib, status, error, log_path; tokens_per_s (global tokens over the timed
+training) and mfu (perf.cost.RunCost: null where the device's peak is unknown, e.g. a CPU).
 
 Appends are atomic across processes: the whole line goes out in one write(2) on an O_APPEND
 descriptor while holding an exclusive flock, so concurrent writers (several runs on one node, or
@@ -51,6 +52,8 @@ class RunRecord:
     peak_memory_allocated_mib: float | None = None
     peak_memory_reserved_mib: float | None = None
     error: str | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
 
     def __post_init__(self):
         if self.status not in STATUSES:

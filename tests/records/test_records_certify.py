@@ -150,7 +150,7 @@ def test_interleaved_runs_statistics_match_report_and_standalone_script(toy, mon
     assert cand_md[1:4] == ["3", "3", "0"]
     assert base_md[4:] == _stats_row(rep, "baseline (baseline)")[1:7]
     assert cand_md[4:] == _stats_row(rep, "candidate")[1:7]
-    assert _stats_row(md, "candidate − baseline")[1:] == _stats_row(rep, "candidate")[7:]
+    assert _stats_row(md, "candidate − baseline")[1:] == _stats_row(rep, "candidate")[7:11]  # then tokens/s, MFU
     assert cand_md[6] == "3.27400 ± 0.00050" and cand_md[5] == "0.900 ± 0.010"
     # the standalone script recomputes it all from the logs and runs.tsv
     assert _standalone(out) == _section(md)
