@@ -428,7 +428,7 @@ def step_memory(rank: RankOnMeta, settings: StepSettings, steps: list[int], flas
     """Run one training forward and backward of `settings`' geometry on "meta" at the per-rank
     shapes, under the portable backend, and measure what it saves and holds. flash: the attention
     kernel as a flash kernel keeps it (`flash_attention_standin`); False: SDPA's meta (math) kernel."""
-    cfg, m, D = rank.cfg, rank.model, rank.cfg.model.model_dim
+    m, D = rank.model, rank.cfg.model.model_dim
     step = meta_step(rank, settings, steps)
     T, inputs = step.tokens, step.inputs
     with torch.device("meta"):

@@ -385,17 +385,20 @@ def _g(flops: float) -> str:
 
 def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> str:
     cfg, W = cost.cfg, cost.world_size
-    n = cost.cfg and len({s for g in cost.geometries for s in g.steps})
+    n = len({s for g in cost.geometries for s in g.steps})
     lines = [f"--config {cfg.name}, {W} process(es) × {cost.geometries[0].accum} virtual rank(s); one rank's "
              f"step, GFLOP (forward + backward), counted on meta", ""]
-    head = f"{'steps':>11} {'n':>4} {'T/rank':>7} {'P':>6} " + " ".join(f"{k:>10}" for k in KINDS) + f" {'6·N·T':>10}"
-    lines += ["model, per geometry:", head]
+    head = (f"{'steps':>11} {'n':>4} {'T/rank':>7} {'P':>6} " + " ".join(f"{k:>10}" for k in KINDS)
+            + f" {'6·N·T':>10} {'floor ms':>9}")
     matmul_params = _matmul_params(cost)
+    lines += [f"model, per geometry (N = {matmul_params:,} parameters in matmuls; floor: this geometry's first "
+              f"step, compute, with the optimizer, on {peak.name}):", head]
     for g in cost.geometries:
         s = g.settings
         six_nd = 6 * matmul_params * g.tokens * g.accum
         lines.append(f"{g.steps[0]:>5}-{g.steps[-1]:<5} {len(g.steps):>4} {g.tokens:>7,} {s.softmax_p or '-':>6} "
-                     + " ".join(f"{_g(g.flops[k]):>10}" for k in KINDS) + f" {_g(six_nd):>10}")
+                     + " ".join(f"{_g(g.flops[k]):>10}" for k in KINDS) + f" {_g(six_nd):>10}"
+                     + (f" {1000 * cost.floor(g.steps[0], peak)[0]:>9.2f}" if cost.phases else ""))
     lines += ["", "optimizer, per phase (adam / table event / tied):",
               f"{'phase':>14} {'n':>5} " + " ".join(f"{k:>10}" for k in KINDS) + "  sent per step (MB)"]
     for p in cost.phases:
