@@ -319,13 +319,16 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("--config", default="record", help=f"one of {sorted(SCHEDULE_PRESETS)}")
         parser.add_argument("--plot", metavar="FILE.png", help="also draw lr, rail beta, batch and P by step")
-        parser.add_argument("--world-size", type=positive_int, default=8, help="ranks, for the per-rank batch column")
+        parser.add_argument("--world-size", type=positive_int, default=None,
+                            help="ranks, for the per-rank batch column (default: the preset's: 8, smoke 2)")
         args = parser.parse_args(argv)
         check_preset(args.config, SCHEDULE_PRESETS)
         if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
             raise ConfigError(f"--plot {args.plot}: its folder does not exist")
     sched = TrainingSchedule(SCHEDULE_PRESETS[args.config])
-    print(format_stage_table(sched, args.world_size))
+    from config import RUN_PRESETS
+
+    print(format_stage_table(sched, args.world_size or RUN_PRESETS[args.config].virtual_world_size))
     if args.plot:
         plot_schedule(sched, args.plot)
         print(f"wrote {args.plot}")

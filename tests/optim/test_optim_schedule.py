@@ -134,6 +134,10 @@ def test_cli_prints_table_and_plots(tmp_path, capsys):
     assert main(["--config", "smoke", "--plot", str(out_png)]) == 0
     text = capsys.readouterr().out
     assert "stage ends [0, 17, 36, 60, 64, 70]" in text
+    # the per-rank column at the preset's 2 ranks (smoke stage 0: 1,024 tokens), unless --world-size says
+    assert " 0     0-16        1024     512 " in text
+    assert main(["--config", "smoke", "--world-size", "1"]) == 0
+    assert " 0     0-16        1024    1024 " in capsys.readouterr().out
     assert out_png.stat().st_size > 1000 and out_png.read_bytes()[:4] == b"\x89PNG"
 
 
