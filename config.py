@@ -215,6 +215,7 @@ class RunConfig:
     log_train_loss: bool = False    # a `train_loss` line per step (a host sync: off for records)
     save_checkpoint: bool = False
     max_steps: int | None = None    # stop the timed loop early (a truncated check run: no tail ship)
+    overrides: tuple[str, ...] = ()  # the --set assignments applied to the preset (logged, recorded)
 
 
 RUN_PRESETS = {

@@ -235,8 +235,8 @@ def check_run(cfg: RunConfig, args: argparse.Namespace, env=os.environ) -> None:
     from optim.schedule import TrainingSchedule
     from perf import backend as perf_backend
 
-    problems = (records_folder_problems(records_folder(cfg)) + world_problems(cfg, env) + device_problems(cfg)
-                + perf_backend.unknown_variables(env))
+    problems = (list(getattr(args, "set_problems", [])) + records_folder_problems(records_folder(cfg))
+                + world_problems(cfg, env) + device_problems(cfg) + perf_backend.unknown_variables(env))
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and _cuda()) else "cpu"
     if device == "cpu" or _cuda():  # (a CUDA preset on a CPU machine is reported above)
         try:
@@ -270,6 +270,9 @@ def check_run(cfg: RunConfig, args: argparse.Namespace, env=os.environ) -> None:
         problems.append(f"--val-tokens {cfg.val_tokens}: must be a positive multiple of one validation step, "
                         f"{cfg.val_batch_tokens:,} tokens ({cfg.virtual_world_size} ranks × {per_rank:,}); "
                         f"try --val-tokens {fix}")
+    if cfg.optim.bank_optimizer not in ("anvil", "normuon"):
+        problems.append(f"optim.bank_optimizer={cfg.optim.bank_optimizer}: must be anvil (record #360) or normuon "
+                        f"(record #89)")
     if cfg.seed is not None and not 0 <= cfg.seed < 2 ** 63:
         problems.append(f"--seed {cfg.seed}: must be in [0, 2**63) (or TRAIN_SEED unset: unseeded, as records run)")
 
@@ -293,3 +296,103 @@ def _default_steps(cfg: RunConfig) -> int:
     from config import RUN_PRESETS
 
     return RUN_PRESETS[cfg.name].schedule.base_steps
+
+
+# ----------------------------------------------------------------------------------------------------
+# --set section.field=value: any config field from the command line
+# ----------------------------------------------------------------------------------------------------
+
+
+def apply_overrides(cfg, assignments: list[str]):
+    """`cfg` with each `path=value` of `assignments` applied (`--set`, repeatable): a path names a
+    field of the RunConfig (`val_every`), of a section (`model.mlp_hidden_dim`, `optim.anvil_lr`,
+    `schedule.base_steps`) or of a stage (`schedule.stages.2.lr_mul`). The value is parsed by the
+    field's declared type: int, float, bool (true/false/1/0), str, None where the type allows it
+    (`none`), a tuple as comma-separated items (`schedule.stages.0.mtp_start=1,0.5`, empty for ()).
+    Every bad assignment is named at once (the path, the valid names at that level, or the type)."""
+    problems = []
+    for text in assignments:
+        path, sep, value = text.partition("=")
+        if not sep or not path:
+            problems.append(f"--set {text}: expected SECTION.FIELD=VALUE (e.g. --set optim.anvil_lr=0.02)")
+            continue
+        try:
+            cfg = _set_path(cfg, path.strip().split("."), value.strip(), path.strip())
+        except ConfigError as e:
+            problems += [f"--set {text}: {p}" for p in e.problems]
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _set_path(obj, keys: list[str], value: str, path: str):
+    import dataclasses
+
+    key, rest = keys[0], keys[1:]
+    if isinstance(obj, tuple):  # a tuple of dataclasses (the stages): by index
+        if not key.isdigit() or int(key) >= len(obj):
+            raise ConfigError(f"{key!r} is not an index of this tuple: 0..{len(obj) - 1}")
+        if not rest:
+            raise ConfigError("name a field of the item (e.g. schedule.stages.2.lr_mul)")
+        items = list(obj)
+        items[int(key)] = _set_path(items[int(key)], rest, value, path)
+        return tuple(items)
+    names = [f.name for f in dataclasses.fields(obj) if f.name not in _NOT_SETTABLE]
+    if key in _NOT_SETTABLE and key not in names:
+        raise ConfigError(f"{key} cannot be set: it names the preset (use --config) or records the --set flags")
+    if key not in names:
+        import difflib
+
+        close = difflib.get_close_matches(key, names, n=1)
+        raise ConfigError(f"{type(obj).__name__} has no field {key!r}"
+                          + (f" (did you mean {close[0]}?)" if close else "") + f"; its fields: {', '.join(names)}")
+    current = getattr(obj, key)
+    if rest:
+        if not (dataclasses.is_dataclass(current) or isinstance(current, tuple) and current
+                and dataclasses.is_dataclass(current[0])):
+            raise ConfigError(f"{key} is a value, not a section: use {path.rsplit('.', len(rest))[0]}=VALUE")
+        new = _set_path(current, rest, value, path)
+    else:
+        if dataclasses.is_dataclass(current) or isinstance(current, tuple) and current and dataclasses.is_dataclass(current[0]):
+            raise ConfigError(f"{key} is a section: name one of its fields ({path}.FIELD=VALUE)")
+        new = _parse_value(value, _field_type(type(obj), key))
+    try:
+        return dataclasses.replace(obj, **{key: new})
+    except (ValueError, TypeError) as e:  # the dataclass's own checks (ModelConfig.__post_init__, ...)
+        raise ConfigError(str(e)) from None
+
+
+_NOT_SETTABLE = ("name", "overrides")  # the preset's name (use --config) and the record of the --set flags
+
+
+def _field_type(cls, name: str):
+    import typing
+
+    return typing.get_type_hints(cls)[name]
+
+
+def _parse_value(text: str, annotation):
+    import types
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and text.lower() == "none":
+            return None
+        (annotation,) = [a for a in args if a is not type(None)]
+        return _parse_value(text, annotation)
+    if origin is tuple:
+        item = args[0] if args else str
+        return tuple(_parse_value(t.strip(), item) for t in text.split(",") if t.strip())
+    if annotation is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{text!r} is not a bool (true/false/1/0)")
+    if annotation in (int, float):
+        try:
+            return annotation(text.replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{text!r} is not {'an integer' if annotation is int else 'a number'}") from None
+    return text

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from config import RUN_PRESETS, ConfigError, RunConfig
-from config_check import (ArgumentParser, check_run, exit_on_config_error, records_folder, records_folder_problems,
-                          shard_globs)
+from config_check import (ArgumentParser, apply_overrides, check_run, exit_on_config_error, records_folder,
+                          records_folder_problems, shard_globs)
 from data.loader import TrainLoader, dummy_batch, val_batches
 from data.ngram import ngram_hash_sizes
 from model.canonical_mask import CanonicalMaskBuild
@@ -89,6 +89,10 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warmup (never for records)")
     ap.add_argument("--log-train-loss", action="store_true", help="log the training loss every step (syncs the host)")
     ap.add_argument("--save-checkpoint", action="store_true", help="save model, optimizer, step, config and code at the end")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", dest="assignments",
+                    help="set any config field, typed from its dataclass: --set optim.anvil_lr=0.02, "
+                         "--set schedule.stages.2.lr_mul=1.5, --set model.mlp_hidden_dim=256 (repeatable; "
+                         "applied last, logged and recorded in runs.jsonl)")
     ap.add_argument("--eval-checkpoint", type=Path, default=None, metavar="DIR",
                     help="only run the final validation of a checkpoint saved by --save-checkpoint")
     args = ap.parse_args(argv)  # syntax only: config_check.check_run judges the values, all at once
@@ -108,6 +112,12 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
         cfg = replace(cfg, log_train_loss=True)
     if args.save_checkpoint:
         cfg = replace(cfg, save_checkpoint=True)
+    args.set_problems = []
+    if args.assignments:
+        try:  # a bad assignment is reported with every other problem (config_check.check_run)
+            cfg = replace(apply_overrides(cfg, args.assignments), overrides=tuple(args.assignments))
+        except ConfigError as e:
+            args.set_problems = e.problems
     return cfg, args
 
 
@@ -648,7 +658,7 @@ def record_refusal(argv, refusal: ConfigError) -> None:
 def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
     records = records_folder(cfg)
     with RunRecorder(config=cfg.name, world_size=int(os.environ.get("WORLD_SIZE", 1)),
-                     rank=int(os.environ.get("RANK", 0)), label=cfg.label,
+                     rank=int(os.environ.get("RANK", 0)), label=cfg.label, overrides=list(cfg.overrides),
                      logs_dir=records / "logs", runs_path=records / "runs.jsonl") as rec:
         log = rec.log
         setup = Setup(cfg)
@@ -658,6 +668,8 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         log.print0(f"config {cfg.name}: {setup.world_size} process(es) × {setup.accum} accumulation step(s) "
                    f"= {cfg.virtual_world_size} ranks of the recipe; device {setup.device}; backend {setup.backend}",
                    console=True)
+        if cfg.overrides:
+            log.print0("config overrides: " + " ".join(f"--set {a}" for a in cfg.overrides), console=True)
 
         run = Run(cfg, setup)
         schedule = run.schedule

@@ -32,14 +32,15 @@ def check_finite(step: int, terms: dict[str, float]) -> None:
 class RunRecorder:
     def __init__(self, config: str, world_size: int, rank: int = 0, device: str | None = None,
                  label: str = "", run_id: str | None = None, logs_dir: Path | str = DEFAULT_LOGS_DIR,
-                 runs_path: Path | str = DEFAULT_RUNS_PATH, console: bool = True):
+                 runs_path: Path | str = DEFAULT_RUNS_PATH, console: bool = True, overrides: list[str] | None = None):
         self.is_master = rank == 0
         self.runs_path = Path(runs_path)
         self.log = RunLog(run_id or new_run_id(), logs_dir=logs_dir, enabled=self.is_master, console=console)
         self.record = RunRecord(
             run_id=self.log.run_id, started=now_iso(), config=config, world_size=world_size,
             device=device or ", ".join(sorted(set(device_names()))), git_commit=self.log.git_commit,
-            git_dirty=self.log.git_dirty, status="failed", log_path=str(self.log.path), label=label)
+            git_dirty=self.log.git_dirty, status="failed", log_path=str(self.log.path), label=label,
+            overrides=overrides or None)
         self._finished = False
 
     def progress(self, step: int, train_time_ms: float | None = None) -> None:

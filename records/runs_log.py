@@ -4,7 +4,8 @@ Every run that started appends exactly one line when it ends: finished, failed o
 Fields (DESIGN.md "Logs and records"): run_id, started (ISO time), config, label, world_size,
 device, git_commit, git_dirty, steps, train_time_ms, val_loss, peak_memory_allocated_mib,
 peak_memory_reserved_mib, status, error, log_path; tokens_per_s (global tokens over the timed
-training) and mfu (perf.cost.RunCost: null where the device's peak is unknown, e.g. a CPU).
+training) and mfu (perf.cost.RunCost: null where the device's peak is unknown, e.g. a CPU);
+overrides (train_gpt.py --set assignments, null when none).
 
 Appends are atomic across processes: the whole line goes out in one write(2) on an O_APPEND
 descriptor while holding an exclusive flock, so concurrent writers (several runs on one node, or
@@ -54,6 +55,7 @@ class RunRecord:
     error: str | None = None
     tokens_per_s: float | None = None
     mfu: float | None = None
+    overrides: list[str] | None = None  # train_gpt.py --set assignments (None: the preset as it is)
 
     def __post_init__(self):
         if self.status not in STATUSES:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import train_gpt
-from config import RUN_PRESETS
+from config import RUN_PRESETS, ConfigError
 from data.shards import BOS_ID, write_shard
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -91,6 +91,14 @@ def _bad_inputs(shards: Path, tmp: Path, checkpoint: Path):
          ["no model.pt there"]),
         ("a checkpoint of another preset", [*data, "--eval-checkpoint", str(checkpoint)], {},
          ["saved by a --config dev run whose model differs from --config smoke's (head_dim, mlp_hidden_dim, model_dim, "]),
+        ("a --set of an unknown field", [*data, "--set", "optim.anvil_lrr=0.02"], {},
+         ["--set optim.anvil_lrr=0.02: OptimConfig has no field 'anvil_lrr' (did you mean anvil_lr?)"]),
+        ("a --set of the wrong type", [*data, "--set", "model.mlp_hidden_dim=wide"], {},
+         ["--set model.mlp_hidden_dim=wide: 'wide' is not an integer"]),
+        ("a --set the model refuses", [*data, "--set", "model.num_heads=5"], {},
+         ["--set model.num_heads=5: ModelConfig: num_heads·head_dim = 80 must equal model_dim 96"]),
+        ("a --set of an unknown optimizer", [*data, "--set", "optim.bank_optimizer=adamw"], {},
+         ["optim.bank_optimizer=adamw: must be anvil (record #360) or normuon (record #89)"]),
         ("several problems at once", [*data, "--val-tokens", "4096", "--max-steps", "0", "--val-every", "-2"],
          {"SPEEDRUN_FP8": "yes"},
          ["SPEEDRUN_FP8=yes: must be 0 or 1", "--max-steps 0", "--val-every -2", "--val-tokens 4096"]),
@@ -198,3 +206,25 @@ def test_every_entry_point_refuses_in_one_line(module, argv, message, capsys):
     err = capsys.readouterr().err
     assert err.splitlines() == [line for line in err.splitlines() if line.startswith(f"python -m {module}: error: ")]
     assert message in err and "Traceback" not in err
+
+
+def test_set_parses_each_field_by_its_declared_type():
+    from config_check import apply_overrides
+
+    cfg, _ = train_gpt.parse_args(["--config", "smoke", "--set", "optim.anvil_lr=0.02", "--set", "schedule.stages.2.lr_mul=1.5",
+                                   "--set", "schedule.stages.0.mtp_start=1,0.5", "--set", "seed=none",
+                                   "--set", "canonical_mask=true", "--set", "schedule.base_steps=1_000",
+                                   "--set", "schedule.stages.4.softmax_p="])
+    assert cfg.optim.anvil_lr == 0.02 and cfg.schedule.stages[2].lr_mul == 1.5
+    assert cfg.schedule.stages[0].mtp_start == (1.0, 0.5) and cfg.schedule.stages[4].softmax_p == ()
+    assert cfg.seed is None and cfg.canonical_mask is True and cfg.schedule.base_steps == 1000
+    assert cfg.schedule.stages[1] == SMOKE.schedule.stages[1] and cfg.model == SMOKE.model  # nothing else moved
+    assert cfg.overrides[0] == "optim.anvil_lr=0.02" and len(cfg.overrides) == 7
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(SMOKE, ["model=3", "schedule.stages.9.lr_mul=1", "name=record", "nonsense", "val_every=1.5"])
+    assert err.value.problems == [
+        "--set model=3: model is a section: name one of its fields (model.FIELD=VALUE)",
+        "--set schedule.stages.9.lr_mul=1: '9' is not an index of this tuple: 0..4",
+        "--set name=record: name cannot be set: it names the preset (use --config) or records the --set flags",
+        "--set nonsense: expected SECTION.FIELD=VALUE (e.g. --set optim.anvil_lr=0.02)",
+        "--set val_every=1.5: '1.5' is not an integer"]
