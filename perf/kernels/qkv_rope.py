@@ -39,7 +39,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.rotary import rotate
 from perf.backend import current
 from perf.fp8 import E4M3, E4M3_MAX, QKV_GRAD_SCALE, QKV_X_SCALE, _scale, quantize, scaled_mm
 from perf.kernels.mlp import _cast
@@ -60,6 +59,14 @@ def quantize_dual_portable(x: Tensor, x_s: Tensor) -> tuple[Tensor, Tensor]:
 def _swap_pairs(u: Tensor) -> Tensor:
     """u with each adjacent pair of the last dim (2j, 2j+1) exchanged, as model/rotary.py `rotate` does."""
     return u.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+
+
+def _rotate(u: Tensor, factor1: Tensor, factor2: Tensor) -> Tensor:
+    """model/rotary.py `rotate`, op for op. The rotation is defined there; a kernel module imports no
+    model file (DESIGN "Layout"), so the twin restates its two ops and the parity test
+    (tests/kernels/test_kernels_qkv_rope.py, against model/attention.py normed_rotary_qk) holds it to
+    the definition bit for bit."""
+    return factor1.float() * u + factor2.float() * _swap_pairs(u)
 
 
 def _head_factors(factor1: Tensor, factor2: Tensor, num_heads: int, paired: bool) -> tuple[Tensor, Tensor]:
@@ -83,7 +90,7 @@ def qk_norm_rope_portable(qk: Tensor, factor1: Tensor, factor2: Tensor, num_head
     u = qk.float()
     n = u * torch.rsqrt(u.pow(2).mean(dim=-1, keepdim=True) + RMS_NORM_EPS)  # (T, 2H, d) fp32
     f1, f2 = _head_factors(factor1, factor2, H, paired)
-    y = rotate(n, f1, f2)
+    y = _rotate(n, f1, f2)
     q, k = y[:, :H], y[:, H:]
     if key_offset:  # stationary dims of key t from key t−1 (across documents too); key 0 keeps its own
         k = torch.cat([k[:, :, :rotary_dim], torch.cat([k[:1, :, rotary_dim:], k[:-1, :, rotary_dim:]])], dim=-1)
