@@ -219,6 +219,17 @@ class TapeGraph:
 # ----------------------------------------------------------------------------------------------------
 
 
+class CompileInCapture(RuntimeError):
+    """A region compiled a graph inside its capturing call: on CUDA inductor would compile and
+    autotune inside `torch.cuda.graph` (which fails, or bakes a half-built state into the graph)."""
+
+
+def _compiled_graphs() -> int:
+    from perf.compile import compiled_graphs
+
+    return compiled_graphs()
+
+
 class GraphMismatch(RuntimeError):
     """A captured region's first replay differs from an eager run of the same call."""
 
@@ -292,6 +303,7 @@ class RegionGraphs:
     eager_keys: set = field(default_factory=set)      # (region, key)s run eagerly by plan (met once per run)
     reports: list = field(default_factory=list)       # CheckReport per capture
     eager_calls: dict = field(default_factory=dict)   # (region, key) -> calls run eagerly after freeze
+    compiles_in_capture: dict = field(default_factory=dict)  # (region, key) -> graphs dynamo compiled while capturing
 
     @classmethod
     def for_device(cls, device: torch.device, named_state, strict: bool = False) -> "RegionGraphs":
@@ -368,7 +380,17 @@ class RegionGraphs:
                 t.detach().copy_(saved)
 
         graph = self.make_graph()
+        graphs_before = _compiled_graphs()  # the warm-up call compiled the key's graph: nothing may compile now
         outputs = graph.capture(fn)                        # CUDA: nothing runs; the tape: runs once
+        compiled = _compiled_graphs() - graphs_before
+        if compiled:
+            self.compiles_in_capture[(region, key)] = compiled
+            if self.strict:
+                raise CompileInCapture(
+                    f"CUDA graphs: region {region!r} key {key!r} compiled {compiled} graph(s) inside its capturing "
+                    f"call (its second call; the first, eager, should have compiled everything it runs): a guard "
+                    f"failed between the two calls, so the region reads Python state that changes per call "
+                    f"(TORCH_LOGS=recompiles names the guard). A record run does not capture a compile.")
         restore()
         graph.replay()
         graphed = [(n, t.detach().to("cpu", copy=True)) for n, t in written]
@@ -438,6 +460,9 @@ class RegionGraphs:
         if self.eager_calls:
             text += f"; run eagerly (not captured): {sum(self.eager_calls.values())} calls of " + \
                 ", ".join(f"{r} {k!r}" for r, k in self.eager_calls)
+        if self.compiles_in_capture:
+            text += "; COMPILED WHILE CAPTURING: " + ", ".join(f"{r} {k!r} ({n} graph(s))"
+                                                            for (r, k), n in self.compiles_in_capture.items())
         return text
 
 
