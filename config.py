@@ -216,6 +216,11 @@ class RunConfig:
     save_checkpoint: bool = False
     max_steps: int | None = None    # stop the timed loop early (a truncated check run: no tail ship)
     overrides: tuple[str, ...] = ()  # the --set assignments applied to the preset (logged, recorded)
+    # ours: how long a rank waits in a collective for the others (the process group's timeout). Sized
+    # against a cold compile: ranks compile each geometry between two collectives of the warmup, and
+    # one geometry of the record took up to 140 s to compile for SM90 on 2 CPU cores (perf.cross_compile);
+    # 600 s leaves 4x for a rank whose compile cache is cold while the others' are warm.
+    collective_timeout_s: int = 600
 
 
 RUN_PRESETS = {

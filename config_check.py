@@ -262,6 +262,8 @@ def check_run(cfg: RunConfig, args: argparse.Namespace, env=os.environ) -> None:
         elif total is not None and cfg.max_steps > total:
             problems.append(f"--max-steps {cfg.max_steps}: the schedule has {total} steps; pass at most {total} "
                             f"(or omit the flag)")
+    if cfg.collective_timeout_s < 1:
+        problems.append(f"collective_timeout_s={cfg.collective_timeout_s}: must be at least 1 second")
     if cfg.val_every < 0:
         problems.append(f"--val-every {cfg.val_every}: must be >= 0 (0: validate only at the end)")
     if cfg.val_tokens < 1 or cfg.val_tokens % cfg.val_batch_tokens:

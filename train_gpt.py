@@ -46,6 +46,7 @@ from optim.schedule import StepWeights, TrainingSchedule
 from optim.tail_average import TailAverages
 from perf import backend as perf_backend
 from perf.attention_backends import assert_record_backends
+from perf.collectives import named_timeouts
 from perf.compile import compile_model, compiled_graphs
 from perf.cost import RunCost, device_peak, schedule_cost
 from perf.cuda_graphs.capture import RegionGraphs
@@ -150,10 +151,10 @@ class Setup:
             # the node's stack, GPUs, driver, CUDA 13 runtime, data, BPE files, disk, RAM, compiler
             raise_on_fail(cheap_checks(cfg))
 
-    def init_process_group(self) -> None:
+    def init_process_group(self, timeout_s: int) -> None:
         if self.world_size > 1:
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo",
-                                    timeout=datetime.timedelta(minutes=10))
+                                    timeout=datetime.timedelta(seconds=timeout_s))
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -221,7 +222,16 @@ class Run:
         # (perf/cuda_graphs/capture.py; on CPU its twin). perf/cuda_graphs/contract.py swaps in its checker.
         self.graphs = RegionGraphs.for_device(setup.device, lambda: run_state(self), strict=cfg.requires_fast_path) \
             if setup.backend.cuda_graphs else None
-        self.run_region = self.graphs.run if self.graphs is not None else (lambda region, key, fn: fn())
+        run_region = self.graphs.run if self.graphs is not None else (lambda region, key, fn: fn())
+
+        def tracked_region(region, key, fn):  # where a collective timeout names this rank
+            self.position = f"{self.step_position}, region {region} key {key!r}"
+            out = run_region(region, key, fn)
+            self.position = f"{self.step_position}, between regions"
+            return out
+
+        self.run_region = tracked_region
+        self.step_position = self.position = "setup"
         self.static_inputs: dict[tuple, torch.Tensor] = {}  # (name, shape, dtype) -> device buffer
         self.batch_ring = PinnedBatchRing(setup.device) if setup.backend.pinned_batches else None
         # what the last update leaves for `flush`: the fp8 refresh (its exact mode) and, in the
@@ -303,6 +313,7 @@ class Run:
         """Forward and backward of this process's batches, then every optimizer. Returns the summed
         loss of the process's tokens (detached). next_batches: the batches of the step that follows
         (the loop's peek), whose n-gram rows are then pulled during this step (SPEEDRUN_ROW_PREFETCH)."""
+        self.step_position = self.position = f"training step {step}"
         self.flush()  # the previous update's deferred gathers and fp8 refresh, before the forward
         s = self.schedule.settings(step)
         self.set_windows((s.ws_short, s.ws_long))
@@ -477,6 +488,7 @@ class Run:
     def validate(self, batches: list[list], windows: tuple[int, int], canonical_mask=None) -> float:
         """Mean next-token loss over cfg.val_tokens (each process evaluates its virtual ranks)."""
         cfg, setup = self.cfg, self.setup
+        self.step_position = self.position = "validation"
         self.flush()  # the last update's gathers and fp8 refresh
         total = torch.zeros((), dtype=torch.float64, device=setup.device)
         for step_batches in zip(*batches):
@@ -659,12 +671,13 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
     records = records_folder(cfg)
     with RunRecorder(config=cfg.name, world_size=int(os.environ.get("WORLD_SIZE", 1)),
                      rank=int(os.environ.get("RANK", 0)), label=cfg.label, overrides=list(cfg.overrides),
-                     logs_dir=records / "logs", runs_path=records / "runs.jsonl") as rec:
+                     logs_dir=records / "logs", runs_path=records / "runs.jsonl") as rec, \
+            contextlib.ExitStack() as guards:
         log = rec.log
         setup = Setup(cfg)
         setup.check(cfg)
         train_glob, val_glob = shard_globs(cfg)
-        setup.init_process_group()
+        setup.init_process_group(cfg.collective_timeout_s)
         log.print0(f"config {cfg.name}: {setup.world_size} process(es) × {setup.accum} accumulation step(s) "
                    f"= {cfg.virtual_world_size} ranks of the recipe; device {setup.device}; backend {setup.backend}",
                    console=True)
@@ -672,6 +685,10 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
             log.print0("config overrides: " + " ".join(f"--set {a}" for a in cfg.overrides), console=True)
 
         run = Run(cfg, setup)
+        # a collective another rank never reaches ends the run naming this rank's step and region
+        guards.enter_context(named_timeouts(lambda: run.position, cfg.collective_timeout_s))
+        log.print0(f"collectives: {dist.get_backend() if dist.is_initialized() else 'none (one process)'}, "
+                   f"timeout {cfg.collective_timeout_s} s (collective_timeout_s)", console=True)
         schedule = run.schedule
         n = schedule.total_steps
         log.print0(f"[schedule] stage ends={schedule.stage_ends} steps={n} split={schedule.split_step}", console=True)

@@ -134,6 +134,23 @@ def device_names() -> list[str]:
     return [f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"]
 
 
+# What decides how a hung NCCL collective ends (torch's defaults in parentheses): the watchdog tears
+# the process down after the process group's timeout (train_gpt.py: collective_timeout_s) with async
+# error handling 3; blocking wait would make every wait() a host sync, which the timed loop avoids.
+COLLECTIVE_VARIABLES = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3: the watchdog tears the process down"),
+                        ("TORCH_NCCL_BLOCKING_WAIT", "0"), ("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "torch's default"),
+                        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "torch's default"),
+                        ("TORCH_NCCL_TRACE_BUFFER_SIZE", "torch's default"))
+
+
+def collective_settings() -> str:
+    """One line: the collective-timeout variables as set, or torch's default, and any NCCL_* set."""
+    parts = [f"{name}={os.environ[name]}" if name in os.environ else f"{name} unset ({default})"
+             for name, default in COLLECTIVE_VARIABLES]
+    parts += [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")]
+    return "Collective settings: " + ", ".join(parts)
+
+
 def environment_header() -> str:
     import torch
 
@@ -148,6 +165,7 @@ def environment_header() -> str:
         f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
         f"Running Triton version {triton_version}",
         f"Devices: {', '.join(device_names())}",
+        collective_settings(),
     ]
     if shutil.which("nvidia-smi"):
         try:
