@@ -6,6 +6,7 @@ import torch
 
 from model.attention import AttnArgs, CausalSelfAttention, normed_rotary_qk
 from model.rotary import Yarn, rotate
+from tests.recipe import pin, recipe
 
 T, D, H = 32, 48, 6
 
@@ -80,18 +81,20 @@ def test_key_offset_takes_stationary_dims_from_the_previous_token():
         attn(x, qk_w, v_w, o_w, _args(Yarn(8, 8, 0.085), key_offset=True))
 
 
+@recipe
 def test_yarn_window_changes_match_the_record_table():
     wide, narrow = Yarn(128, 64, 0.085), Yarn(64, 64, 0.13)
     narrow_freq = narrow.angular_freq[0::2].clone()
     rotations = 128 * narrow_freq / (2 * math.pi)
-    assert int((rotations >= 32).sum()) == 0 and int((rotations <= 1).sum()) == 18  # 0 kept, 18 scaled
+    pin((int((rotations >= 32).sum()), int((rotations <= 1).sum())), (0, 18),
+        "(kept, fully scaled) narrow rotary frequencies at the first window change")
     for (wo, wn), (no, nn_), (ws, ns) in [((384, 896), (128, 384), (0.099404, 0.158564)),
                                           ((896, 1408), (384, 640), (0.108390, 0.174764)),
                                           ((1408, 1664), (640, 768), (0.112011, 0.181136))]:
         wide.rescale(wo, wn)
         narrow.rescale(no, nn_)
-        assert wide.attn_scale == pytest.approx(ws, abs=1e-6)
-        assert narrow.attn_scale == pytest.approx(ns, abs=1e-6)
+        pin(wide.attn_scale, ws, f"the wide softmax scale after the window {wo} -> {wn}", abs=1e-6)
+        pin(narrow.attn_scale, ns, f"the narrow softmax scale after the window {no} -> {nn_}", abs=1e-6)
     assert torch.all(wide.angular_freq[64:] == 0)  # stationary dims stay stationary
     # a fully scaled frequency moved by exactly old/new at each change
     assert narrow.angular_freq[-1].item() == pytest.approx(narrow_freq[-1].item() * 128 / 768, rel=1e-5)

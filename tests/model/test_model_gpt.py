@@ -8,6 +8,7 @@ import torch
 from config import MODEL_PRESETS
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
+from tests.recipe import pin, recipe
 
 SMOKE = MODEL_PRESETS["smoke"]
 
@@ -154,17 +155,32 @@ def test_dead_parameters_are_exactly_the_record_list():
 
 
 def test_window_changes_rescale_the_three_rotary_tables():
+    """Structure: each table's scale grows by YaRN's 1 + gain·ln(new/old) of its own window, the paired
+    table with the narrow one (the record's values: test_record_softmax_scales_at_step_320)."""
+    from model.rotary import YARN_SCALE_GAIN
+
     model = GPT(dataclasses.replace(SMOKE, vocab_size=128), dtype=torch.float32)
+    start = (model.yarn_wide.attn_scale, model.yarn.attn_scale)
     model.rescale_rotary((1, 3), (1, 3))  # no change, no YaRN
-    assert model.yarn_wide.attn_scale == 0.085 and model.yarn.attn_scale == 0.13
-    model.rescale_rotary((1, 3), (3, 7))  # record #360 step 320
-    assert model.yarn_wide.attn_scale == pytest.approx(0.099404, abs=1e-6)
-    assert model.yarn.attn_scale == model.yarn_paired.attn_scale == pytest.approx(0.158564, abs=1e-6)
+    assert (model.yarn_wide.attn_scale, model.yarn.attn_scale) == start
+    model.rescale_rotary((1, 3), (3, 7))  # record #360 step 320: long 3 -> 7 blocks, short 1 -> 3
+    assert model.yarn_wide.attn_scale == pytest.approx(start[0] * (1 + YARN_SCALE_GAIN * math.log(7 / 3)), rel=1e-12)
+    assert model.yarn.attn_scale == model.yarn_paired.attn_scale == pytest.approx(
+        start[1] * (1 + YARN_SCALE_GAIN * math.log(3 / 1)), rel=1e-12)
     model.refresh_fp8()
     model.mlp_fp8.post_amax.fill_(3.0)
     model.rearm_fp8()
     assert model.mlp_fp8.refresh_calls == 0 and model.mlp_fp8.post_amax.abs().sum() == 0
     assert (model.mlp_fp8.dpre_scale == 2.0 ** -6).all() and (model.mlp_fp8.post_scale == 1).all()
+
+
+@recipe
+def test_record_softmax_scales_at_step_320():
+    model = GPT(dataclasses.replace(SMOKE, vocab_size=128), dtype=torch.float32)
+    pin((model.yarn_wide.attn_scale, model.yarn.attn_scale), (0.085, 0.13), "the initial (wide, narrow) softmax scales")
+    model.rescale_rotary((1, 3), (3, 7))
+    pin(model.yarn_wide.attn_scale, 0.099404, "the wide softmax scale at step 320", abs=1e-6)
+    pin(model.yarn.attn_scale, 0.158564, "the narrow softmax scale at step 320", abs=1e-6)
 
 
 def test_state_dict_carries_the_whole_yarn_state():

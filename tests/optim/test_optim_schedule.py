@@ -7,6 +7,7 @@ import pytest
 
 from config import SCHEDULE_PRESETS, ScheduleConfig
 from optim.schedule import TrainingSchedule, main
+from tests.recipe import pin, recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -16,13 +17,13 @@ def record():
     return TrainingSchedule(SCHEDULE_PRESETS["record"])
 
 
+@recipe
 def test_stage_ends_split_and_totals(record):
-    assert record.stage_ends == [0, 320, 681, 1107, 1174, 1194]
-    assert record.total_steps == 1194 and record.scheduled_steps == 1174
-    assert record.split_step == 1175
-    assert record.cooldown_start == 234
-    # Total training tokens, modules §7.4: 328,663,040.
-    assert sum(record.batch_tokens(s) for s in range(1194)) == 328_663_040
+    pin(record.stage_ends, [0, 320, 681, 1107, 1174, 1194], "the stage ends")
+    pin((record.total_steps, record.scheduled_steps), (1194, 1174), "(total, scheduled) steps")
+    pin(record.split_step, 1175, "the split step")
+    pin(record.cooldown_start, 234, "the cooldown's first step")
+    pin(sum(record.batch_tokens(s) for s in range(1194)), 328_663_040, "the training tokens (modules §7.4)")
 
 
 @pytest.mark.parametrize("step,expected", [
@@ -30,50 +31,58 @@ def test_stage_ends_split_and_totals(record):
     (680, 0.94115), (681, 1.04999), (700, 1.021085), (1106, 0.40345), (1107, 0.39118),
     (1173, 0.30136), (1174, 0.30), (1193, 0.30),
 ])
+@recipe
 def test_lr_multiplier(record, step, expected):
-    assert record.lr_mult(step) == pytest.approx(expected, abs=1e-5)
+    pin(record.lr_mult(step), expected, f"lr_mult at step {step}", abs=1e-5)
 
 
+@recipe
 def test_lr_multiplier_hand_formula(record):
     # step 700: stage 2 (lr_mul 1.73), tau = (700 - 234) / 940
     tau = 466 / 940
-    assert record.lr_mult(700) == pytest.approx(1.73 * (1 - tau) + 0.30 * tau, rel=1e-12)
+    pin(record.lr_mult(700), 1.73 * (1 - tau) + 0.30 * tau, "lr_mult at step 700, linear from stage 2's 1.73 "
+        "to the 0.30 floor", rel=1e-12)
 
 
 @pytest.mark.parametrize("step,expected", [
     (0, 0.85), (100, 0.883333), (239, 0.929667), (240, 0.93), (700, 0.93), (1144, 0.93),
     (1145, 0.9284), (1174, 0.882), (1193, 0.8516),
 ])
+@recipe
 def test_rail_beta(record, step, expected):
-    assert record.rail_beta(step) == pytest.approx(expected, abs=1e-6)
+    pin(record.rail_beta(step), expected, f"rail_beta at step {step}", abs=1e-6)
 
 
+@recipe
 def test_rails_engage_at_514(record):
-    assert not record.rails_engaged(513) and record.rails_engaged(514)
+    pin(next(s for s in range(1194) if record.rails_engaged(s)), 514, "the step the rails engage")
 
 
 @pytest.mark.parametrize("step,expected", [
     (0, (1.0, 0.5, 0.25)), (160, (1.0, 0.5, 0.125)), (319, (1.0, 0.5, 0.25 / 320)),
     (320, (1.0, 0.5)), (680, (1.0, 0.5 / 361)), (681, (1.0,)), (1107, (1.0,)), (1193, (1.0,)),
 ])
+@recipe
 def test_mtp_weights(record, step, expected):
-    assert record.mtp_weights(step) == pytest.approx(expected, abs=1e-12)
+    pin(record.mtp_weights(step), expected, f"the MTP weights at step {step}", abs=1e-12)
 
 
 @pytest.mark.parametrize("step,expected", [
     (0, 0.25), (319, 0.25), (320, 0.20), (410, 0.20), (411, 0.15), (500, 0.15), (501, 0.10),
     (590, 0.10), (591, 0.05), (680, 0.05), (681, 0.0), (1193, 0.0),
 ])
+@recipe
 def test_prefix_weight(record, step, expected):
-    assert record.prefix_weight(step) == expected
+    pin(record.prefix_weight(step), expected, f"the prefix weight at step {step}")
 
 
 @pytest.mark.parametrize("step,expected", [
     (0, 10240), (680, 10240), (681, 14336), (822, 14336), (823, 14336), (964, 14336),
     (965, 24576), (1106, 24576), (1107, 0), (1193, 0), (1194, 0),
 ])
+@recipe
 def test_softmax_p(record, step, expected):
-    assert record.softmax_p(step) == expected
+    pin(record.softmax_p(step), expected, f"the sampled softmax's P at step {step}")
 
 
 @pytest.mark.parametrize("step,windows,doc_cap,max_seq,batch", [
@@ -81,13 +90,13 @@ def test_softmax_p(record, step, expected):
     (681, (5, 11), 3072, 2560, 393216), (1107, (5, 11), 3072, 2560, 327680),
     (1174, (6, 13), 3072, 2560, 131072), (1193, (6, 13), 3072, 2560, 131072),
 ])
+@recipe
 def test_windows_caps_batches(record, step, windows, doc_cap, max_seq, batch):
-    assert record.windows(step) == windows
-    assert record.doc_cap(step) == doc_cap
-    assert record.max_seq_len(step) == max_seq
-    assert record.batch_tokens(step) == batch
+    pin((record.windows(step), record.doc_cap(step), record.max_seq_len(step), record.batch_tokens(step)),
+        (windows, doc_cap, max_seq, batch), f"(windows, doc cap, max seq len, batch tokens) at step {step}")
 
 
+@recipe
 def test_settings_bundle(record):
     s = record.settings(967)   # 967 = 3 mod 4: a table event
     assert (s.stage, s.softmax_p, s.ws_short, s.ws_long, s.doc_cap, s.max_seq_len) == (2, 24576, 5, 11, 3072, 2560)
@@ -95,10 +104,12 @@ def test_settings_bundle(record):
     assert s.lr_mult == record.lr_mult(967) and s.rail_beta == 0.93 and s.batch_tokens == 393216
 
 
+@recipe
 def test_final_validation_window(record):
-    assert record.final_windows() == (6, 20)
+    pin(record.final_windows(), (6, 20), "the final validation's windows (blocks)")
 
 
+@recipe
 def test_adam_and_table_cadence(record):
     adam = [s for s in range(1194) if record.is_adam_step(s)]
     events = [s for s in range(1194) if record.is_table_event(s)]
