@@ -168,6 +168,11 @@ class Setup:
 # ----------------------------------------------------------------------------------------------------
 
 
+def run_eagerly(region: str, key, fn):
+    """`RegionGraphs.run`'s signature without CUDA graphs: just the call."""
+    return fn()
+
+
 @dataclass
 class RowPrefetch:
     """Row pulls launched a step ahead (`Run.prefetch`): one per batch, valid while the n-gram
@@ -219,19 +224,11 @@ class Run:
         self.hash_sizes = ngram_hash_sizes(cfg.model)  # the loader's n-gram hashes match the model's tables
         # CUDA graphs (SPEEDRUN_CUDA_GRAPHS): train_step runs each capturable region through
         # run_region(name, key, fn); the warmup captures every key, the timed loop replays
-        # (perf/cuda_graphs/capture.py; on CPU its twin). perf/cuda_graphs/contract.py swaps in its checker.
+        # (perf/cuda_graphs/capture.py; on CPU its twin). perf/cuda_graphs/contract.py swaps its checker in as region_runner.
         self.graphs = RegionGraphs.for_device(setup.device, lambda: run_state(self), strict=cfg.requires_fast_path) \
             if setup.backend.cuda_graphs else None
-        run_region = self.graphs.run if self.graphs is not None else (lambda region, key, fn: fn())
-
-        def tracked_region(region, key, fn):  # where a collective timeout names this rank
-            self.position = f"{self.step_position}, region {region} key {key!r}"
-            out = run_region(region, key, fn)
-            self.position = f"{self.step_position}, between regions"
-            return out
-
-        self.run_region = tracked_region
-        self.step_position = self.position = "setup"
+        self.region_runner = self.graphs.run if self.graphs is not None else run_eagerly
+        self.step_position = self.position = "setup"  # where a collective timeout names this rank
         self.static_inputs: dict[tuple, torch.Tensor] = {}  # (name, shape, dtype) -> device buffer
         self.batch_ring = PinnedBatchRing(setup.device) if setup.backend.pinned_batches else None
         # what the last update leaves for `flush`: the fp8 refresh (its exact mode) and, in the
@@ -239,6 +236,16 @@ class Run:
         self.fp8_refresh_pending: bool | None = None
         # SPEEDRUN_ROW_PREFETCH: the next step's row pulls, launched during this step
         self.prefetched: RowPrefetch | None = None
+
+    def run_region(self, region: str, key, fn):
+        """fn() as the capturable region (region, key): captured or replayed under CUDA graphs, else
+        run; the position notes it for a collective timeout. (A method, not a closure stored on the
+        run: that cycle kept the Run, its process-group tensors included, alive into interpreter exit,
+        where gloo's threads aborted 1 exit in 6.)"""
+        self.position = f"{self.step_position}, region {region} key {key!r}"
+        out = self.region_runner(region, key, fn)
+        self.position = f"{self.step_position}, between regions"
+        return out
 
     def flush(self) -> None:
         """Finish the last optimizer update before anything reads the weights: wait for its

@@ -431,8 +431,8 @@ def check_run(run, steps: int, start: int = 0, checker: ContractChecker | None =
     from data.loader import dummy_batch
     checker = checker or ContractChecker(lambda: run_state(run))
     schedule, cfg = run.schedule, run.cfg
-    previous = run.run_region
-    run.run_region = checker.run_region
+    previous = run.region_runner  # what Run.run_region calls: graphs or a plain call; the checker instead
+    run.region_runner = checker.run_region
     end = min(start + steps, schedule.total_steps)
 
     def batches(step: int) -> list | None:
@@ -451,7 +451,7 @@ def check_run(run, steps: int, start: int = 0, checker: ContractChecker | None =
             run.train_step(step, current, following)
         run.flush()  # the last update's refresh region is checked too
     finally:
-        run.run_region = previous
+        run.region_runner = previous
     return checker
 
 

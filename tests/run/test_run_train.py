@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import train_gpt
+from config import RUN_PRESETS
 from model.gpt import GPT
 from records.run_log import REPO_ROOT, parse_log
 from records.run_record import NonFiniteLossError
@@ -103,20 +104,66 @@ THREE_STEPS = ["--no-warmup", "--val-every", "0", "--val-tokens", "8192", "--see
                "--log-train-loss"]
 
 
+def _three_steps_in_process(shards, records, overlap: str, *extra) -> tuple[dict, object]:
+    """THREE_STEPS in this process with the backend a fresh process started with
+    SPEEDRUN_OVERLAP=`overlap` detects: (runs.jsonl entry, records dir). With WORLD_SIZE unset,
+    train_gpt.main runs what `torchrun --nproc_per_node=1` runs (no process group either way),
+    without its process and torch start-up. Module fixtures run before `single_thread`, so on the
+    default intra-op threads: the final validation's large products use both cores (one run: 14 s
+    on 2 threads, 21 s on 1; the logged losses and the val loss are bitwise the same, measured)."""
+    from dataclasses import asdict
+
+    from perf import backend as perf_backend
+
+    backend = perf_backend.detect(env={**os.environ, "SPEEDRUN_OVERLAP": overlap})
+    with perf_backend.use_backend(**asdict(backend)):
+        train_gpt.main(["--config", "smoke", "--data-path", str(shards), *THREE_STEPS, *extra,
+                        "--records-dir", str(records)])
+    (entry,) = _runs(records)
+    return entry, records
+
+
 @pytest.fixture(scope="module")
-def three_step_torchruns(tmp_path_factory, shards):
-    """3 smoke steps through torchrun on 1 process and on 2 gloo ranks, the overlap pieces on (the
-    default) and off: {(nproc, "1" | "0"): (runs.jsonl entry, records dir)}. Shared by the layout
-    and the overlap tests (CI time); the 1-process default run also saves its checkpoint."""
-    runs = {}
-    for nproc in (1, 2):
-        for overlap in ("1", "0"):
-            records = tmp_path_factory.mktemp(f"nproc{nproc}-overlap{overlap}")
-            extra = ["--save-checkpoint"] if (nproc, overlap) == (1, "1") else []
-            _torchrun(nproc, "--data-path", str(shards), *THREE_STEPS, *extra, "--records-dir", str(records),
-                      env={"SPEEDRUN_OVERLAP": overlap})
-            (entry,) = _runs(records)
-            runs[nproc, overlap] = entry, records
+def eager_three_steps(tmp_path_factory, shards):
+    """3 smoke steps in this process, eager, no warmup, every overlap piece on (the default), the
+    checkpoint saved: (runs.jsonl entry, records dir). The reference of the warmup, compiled, layout
+    and overlap tests, and the checkpoint the 2-process evaluation reads: one run serves them all
+    (it was run twice, here and as a 1-process torchrun of the same arguments; CI time)."""
+    records = tmp_path_factory.mktemp("nproc1-overlap1")
+    # the --set is a no-op (record #360's own anvil_lr): the run records it, the math is unchanged
+    return _three_steps_in_process(shards, records, "1", "--save-checkpoint", "--set", "optim.anvil_lr=0.023")
+
+
+def test_a_cpu_run_records_tokens_per_second_its_overrides_and_no_mfu(eager_three_steps):
+    """perf/cost.py's RunCost on a CPU: tokens/s in the last step line and in runs.jsonl; no MFU (no
+    device peak to measure against); the --set assignments logged and recorded."""
+    from optim.schedule import TrainingSchedule
+
+    entry, _ = eager_three_steps
+    tokens = sum(TrainingSchedule(RUN_PRESETS["smoke"].schedule).batch_tokens(s) for s in range(3))
+    assert entry["tokens_per_s"] == pytest.approx(tokens / (entry["train_time_ms"] / 1000), rel=1e-6)
+    assert entry["mfu"] is None and entry["overrides"] == ["optim.anvil_lr=0.023"]
+    log = open(entry["log_path"]).read()
+    assert "config overrides: --set optim.anvil_lr=0.023" in log
+    assert re.search(r"^step:3/70 train_time:\d+ms step_avg:[0-9.]+ms tokens/s:\d+$", log, re.M)
+    assert parse_log(log).steps[-1][0] == 3  # our parser reads the extended line
+
+
+@pytest.fixture(scope="module")
+def three_step_torchruns(tmp_path_factory, shards, eager_three_steps):
+    """3 smoke steps on 1 process (in this process) and on 2 gloo ranks (torchrun), the overlap
+    pieces on (the default) and off: {(nproc, "1" | "0"): (runs.jsonl entry, records dir)}. Shared
+    by the layout and the overlap tests (CI time); the 1-process default run is `eager_three_steps`
+    (its checkpoint saved)."""
+    runs = {(1, "1"): eager_three_steps}
+    records = tmp_path_factory.mktemp("nproc1-overlap0")
+    runs[1, "0"] = _three_steps_in_process(shards, records, "0")
+    for overlap in ("1", "0"):
+        records = tmp_path_factory.mktemp(f"nproc2-overlap{overlap}")
+        _torchrun(2, "--data-path", str(shards), *THREE_STEPS, "--records-dir", str(records),
+                  env={"SPEEDRUN_OVERLAP": overlap})
+        (entry,) = _runs(records)
+        runs[2, overlap] = entry, records
     return runs
 
 
@@ -172,23 +219,14 @@ def test_smoke_run_on_two_ranks_learns(smoke_run):
     assert untrained == pytest.approx(torch.log(torch.tensor(50304.0)).item(), abs=0.05)  # uniform at init
     assert final <= untrained - 1.5
     assert "step:70/70 val_loss:" in out
+    # torch 2.13 warns at every call of a deprecated collective name (perf/collectives.py picks the current ones)
+    assert "FutureWarning" not in out and "DeprecationWarning" not in out, out
     # the train loss jumps where the softmax widens; the log says so at that step
-    from config import RUN_PRESETS
     from optim.schedule import TrainingSchedule
     schedule = TrainingSchedule(RUN_PRESETS["smoke"].schedule)
     full_from = next(s for s in range(1, 70) if schedule.softmax_p(s) == 0 and schedule.softmax_p(s - 1))
     assert (f"step:{full_from + 1}/70 training loss from here: full softmax over 50304 classes (was sampled "
             f"softmax over {schedule.softmax_p(full_from - 1)} classes); the train_loss values jump up") in out
-
-
-@pytest.fixture(scope="module")
-def eager_three_steps(tmp_path_factory, shards):
-    """3 smoke steps in this process, eager, no warmup: the runs.jsonl entry (the reference of the
-    warmup and the compiled tests)."""
-    records = tmp_path_factory.mktemp("eager-three-steps")
-    _main(records, "--data-path", str(shards), "--max-steps", "3", "--log-train-loss")
-    (entry,) = _runs(records)
-    return entry
 
 
 @pytest.mark.slow
@@ -198,7 +236,7 @@ def test_warmup_then_reset_leaves_no_trace(tmp_path, shards, eager_three_steps):
     train_gpt.main(["--config", "smoke", "--records-dir", str(tmp_path / "warm"), "--val-every", "0",
                     "--val-tokens", "8192", "--seed", "0", "--data-path", str(shards), "--max-steps", "3",
                     "--log-train-loss"])
-    cold, (warm,) = eager_three_steps, _runs(tmp_path / "warm")
+    (cold, _), (warm,) = eager_three_steps, _runs(tmp_path / "warm")
     assert "warming up on dummy data" in open(warm["log_path"]).read()
     assert _train_losses(warm["log_path"]) == _train_losses(cold["log_path"])
     assert warm["val_loss"] == cold["val_loss"]
@@ -223,7 +261,6 @@ def _expected_graphs(schedule, steps: int, val_every: int) -> int:
 def test_compiled_smoke_run_traces_once_and_never_syncs(smoke_run):
     """The acceptance run (`smoke_run`): every graph compiles in the warmup, none after (no
     recompile, no graph break in dynamo's own logs), and no step syncs (the run would have failed)."""
-    from config import RUN_PRESETS
     from optim.schedule import TrainingSchedule
 
     entry, out = smoke_run
@@ -247,7 +284,7 @@ def test_compiled_and_eager_losses_agree_for_three_steps(tmp_path, shards, eager
             _main(tmp_path / "compiled", "--data-path", str(shards), "--max-steps", "3", "--log-train-loss")
     finally:
         torch._dynamo.reset()
-    eager, (compiled,) = eager_three_steps, _runs(tmp_path / "compiled")
+    (eager, _), (compiled,) = eager_three_steps, _runs(tmp_path / "compiled")
     eager_losses, compiled_losses = _train_losses(eager["log_path"]), _train_losses(compiled["log_path"])
     assert len(compiled_losses) == 3
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-4), (compiled_losses, eager_losses)
