@@ -25,7 +25,7 @@ SMOKE = RUN_PRESETS["smoke"]
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """Synthetic smoke shards: 400k training tokens (the 70-step schedule reads ~150k) and 4 validation
-    steps of 8,192 (+ 1), in documents of 50 tokens."""
+    × 8,192 (+ 1) tokens, in documents of 50 tokens."""
     out = tmp_path_factory.mktemp("shards")
     rng = np.random.default_rng(0)
     for name, n in (("synthetic_train_000001.bin", 400_000), ("synthetic_val_000000.bin", 4 * 8192 + 1)):
@@ -51,8 +51,8 @@ def _bad_inputs(shards: Path, tmp: Path, checkpoint: Path):
     a_file, empty = tmp / "a_file", tmp / "empty"
     data = ["--data-path", str(shards)]
     return [
-        ("val tokens not a multiple of a validation step", [*data, "--val-tokens", "4096"], {},
-         ["--val-tokens 4096: must be a positive multiple of one validation step, 8,192 tokens"]),
+        ("val tokens not a multiple of a validation step", [*data, "--val-tokens", "3000"], {},
+         ["--val-tokens 3000: must be a positive multiple of one validation step, 2,048 tokens"]),
         ("val tokens zero", [*data, "--val-tokens", "0"], {}, ["--val-tokens 0: must be a positive multiple"]),
         ("val tokens beyond the val shards", [*data, "--val-tokens", "40960"], {},
          ["--val-tokens 40960: the validation shards serve 32,768 tokens"]),
@@ -99,9 +99,9 @@ def _bad_inputs(shards: Path, tmp: Path, checkpoint: Path):
          ["--set model.num_heads=5: ModelConfig: num_heads·head_dim = 80 must equal model_dim 96"]),
         ("a --set of an unknown optimizer", [*data, "--set", "optim.bank_optimizer=adamw"], {},
          ["optim.bank_optimizer=adamw: must be anvil (record #360) or normuon (record #89)"]),
-        ("several problems at once", [*data, "--val-tokens", "4096", "--max-steps", "0", "--val-every", "-2"],
+        ("several problems at once", [*data, "--val-tokens", "3000", "--max-steps", "0", "--val-every", "-2"],
          {"SPEEDRUN_FP8": "yes"},
-         ["SPEEDRUN_FP8=yes: must be 0 or 1", "--max-steps 0", "--val-every -2", "--val-tokens 4096"]),
+         ["SPEEDRUN_FP8=yes: must be 0 or 1", "--max-steps 0", "--val-every -2", "--val-tokens 3000"]),
     ]
 
 
@@ -158,7 +158,7 @@ def test_as_a_process_rank_0_prints_and_records_other_ranks_only_exit(shards, tm
     records = tmp_path / "records"
     base = {k: v for k, v in os.environ.items() if not k.startswith("SPEEDRUN_")}
     argv = [sys.executable, "train_gpt.py", "--config", "smoke", "--records-dir", str(records),
-            "--data-path", str(shards), "--val-tokens", "4096", "--max-steps", "0"]
+            "--data-path", str(shards), "--val-tokens", "3000", "--max-steps", "0"]
     procs = {rank: subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                                   env=dict(base, WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)))
              for rank in (1, 0)}
@@ -167,8 +167,8 @@ def test_as_a_process_rank_0_prints_and_records_other_ranks_only_exit(shards, tm
     assert procs[0].stderr.splitlines() == [
         "train_gpt.py: error: --max-steps 0: must be at least 1 (a truncated run trains that many steps; omit "
         "the flag to run the whole schedule)",
-        "train_gpt.py: error: --val-tokens 4096: must be a positive multiple of one validation step, 8,192 tokens "
-        "(2 ranks × 4,096); try --val-tokens 8192"]
+        "train_gpt.py: error: --val-tokens 3000: must be a positive multiple of one validation step, 2,048 tokens "
+        "(2 ranks × 1,024); try --val-tokens 2048"]
     (entry,) = [json.loads(line) for line in (records / "runs.jsonl").read_text().splitlines()]
     assert entry["status"] == "failed" and entry["world_size"] == 2
 

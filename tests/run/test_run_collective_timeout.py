@@ -49,7 +49,7 @@ def test_the_run_sets_and_logs_its_timeout(tmp_path, monkeypatch):
     records = tmp_path / "records"
     try:
         train_gpt.main(["--config", "smoke", "--records-dir", str(records), "--data-path", str(_shards(tmp_path)),
-                        "--set", "collective_timeout_s=45", "--val-tokens", "8192"])
+                        "--set", "collective_timeout_s=45", "--val-tokens", "2048"])
     except SystemExit:
         pass
     assert seen == {"t": 45}

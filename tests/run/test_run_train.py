@@ -34,7 +34,7 @@ def _runs(records):
 
 def _main(records, *args):
     train_gpt.main(["--config", "smoke", "--records-dir", str(records), "--no-warmup", "--val-every", "0",
-                    "--val-tokens", "8192", "--seed", "0", *args])
+                    "--val-tokens", "2048", "--seed", "0", *args])
 
 
 def _torchrun(nproc, *args, timeout=900, env=None):
@@ -100,7 +100,7 @@ def _train_losses(log_path):
     return [float(m[1]) for m in re.finditer(r"^step:\d+/\d+ train_loss:([0-9.]+)$", open(log_path).read(), re.M)]
 
 
-THREE_STEPS = ["--no-warmup", "--val-every", "0", "--val-tokens", "8192", "--seed", "0", "--max-steps", "3",
+THREE_STEPS = ["--no-warmup", "--val-every", "0", "--val-tokens", "2048", "--seed", "0", "--max-steps", "3",
                "--log-train-loss"]
 
 
@@ -181,7 +181,7 @@ def test_one_and_two_ranks_train_the_same_and_checkpoints_round_trip(tmp_path, s
     # The 1-process checkpoint, evaluated by 2 processes (the n-gram shards are re-split).
     ckpt = next((one / "logs").glob("*/state_step000003"))
     assert {p.name for p in ckpt.iterdir()} == {"model.pt", "rank0.pt"}
-    _torchrun(2, "--data-path", str(shards), "--val-tokens", "8192", "--records-dir", str(tmp_path / "eval"),
+    _torchrun(2, "--data-path", str(shards), "--val-tokens", "2048", "--records-dir", str(tmp_path / "eval"),
               "--eval-checkpoint", str(ckpt))
     (evaluated,) = _runs(tmp_path / "eval")
     assert evaluated["val_loss"] == pytest.approx(run1["val_loss"], rel=1e-6)
@@ -194,15 +194,15 @@ def test_one_and_two_ranks_train_the_same_and_checkpoints_round_trip(tmp_path, s
 def smoke_run(tmp_path_factory, shards):
     """The acceptance run: the whole smoke schedule on 2 gloo ranks, seed 0, compiled fullgraph with
     aot_eager (what a GPU run traces) under the sync check, with dynamo's recompile and graph-break
-    logs: (runs.jsonl entry, stdout), validating 8,192 tokens each time. One full run serves the
+    logs: (runs.jsonl entry, stdout), validating 2,048 tokens each time. One full run serves the
     learning and the tracing tests (CI time); that compiled and eager runs agree is test_compiled_and_eager_losses_agree_for_three_steps."""
     records = tmp_path_factory.mktemp("smoke")
     env = {"SPEEDRUN_COMPILE": "1", "SPEEDRUN_COMPILE_BACKEND": "aot_eager", "SPEEDRUN_SYNC_CHECK": "1",
            "TORCH_LOGS": "recompiles,graph_breaks"}
-    # one validation step (8,192 tokens) per validation instead of four: the portable attention
+    # one validation step (2,048 tokens) per validation instead of sixteen: the portable attention
     # dominates a validation on CPU, and the learning check needs only the trend (CI time)
     out = _torchrun(2, "--data-path", str(shards), "--records-dir", str(records), "--seed", "0",
-                    "--val-tokens", "8192", timeout=1800, env=env)
+                    "--val-tokens", "2048", timeout=1800, env=env)
     (entry,) = _runs(records)
     return entry, out
 
@@ -234,7 +234,7 @@ def test_warmup_then_reset_leaves_no_trace(tmp_path, shards, eager_three_steps):
     """The untimed warmup (a step at every schedule geometry, the split included) followed by the
     in-place reset must train exactly like a run without warmup."""
     train_gpt.main(["--config", "smoke", "--records-dir", str(tmp_path / "warm"), "--val-every", "0",
-                    "--val-tokens", "8192", "--seed", "0", "--data-path", str(shards), "--max-steps", "3",
+                    "--val-tokens", "2048", "--seed", "0", "--data-path", str(shards), "--max-steps", "3",
                     "--log-train-loss"])
     (cold, _), (warm,) = eager_three_steps, _runs(tmp_path / "warm")
     assert "warming up on dummy data" in open(warm["log_path"]).read()
