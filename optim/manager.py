@@ -159,7 +159,7 @@ class OptimizerManager:
         lr 0 and so never move. Without it, a bank's own `frozen_matrices` attribute is used (the
         record model marks mlp slot 7, layer 7 having no MLP: matrices 14 and 15).
         layout: (rank, world_size) to shard for instead of the process group's, for sizing the
-        states without one (model/summary.py --memory); such a manager must not step.
+        states without one (perf/memory.py); such a manager must not step.
         keep_grads: zero the consumed gradients in place instead of releasing them (`p.grad = None`),
         so the next backward accumulates into the same storage: what a captured backward and update
         need (train_gpt.Run). The values are bitwise the same (x + 0 is x).

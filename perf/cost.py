@@ -5,7 +5,7 @@
     python -m perf.cost --config smoke
 
 Everything is counted on "meta" (no allocation, seconds) from the project's own code, at one rank's
-shapes (`model.summary.build_rank_on_meta`):
+shapes (`perf.memory.build_rank_on_meta`):
 * model FLOPs: one training forward and backward per schedule geometry on the portable path, under
   `FlopCounter`, a dispatch mode that applies torch's own formulas (`torch.utils.flop_counter`) to
   every GEMM and sorts them by kind: `torch._scaled_mm` is an fp8 GEMM, a bf16 `mm` a bf16 GEMM,
@@ -208,9 +208,9 @@ class PhaseCost:
 
 
 def geometry_cost(rank, settings, steps) -> GeometryCost:
-    """Count one forward and backward at `settings`' geometry on "meta" (model.summary's inputs)."""
+    """Count one forward and backward at `settings`' geometry on "meta" (perf.memory's inputs)."""
     from model import attention as model_attention
-    from model.summary import PORTABLE_BACKEND, meta_step
+    from perf.memory import PORTABLE_BACKEND, meta_step
     from perf.backend import use_backend
 
     cfg, D = rank.cfg, rank.cfg.model.model_dim
@@ -340,7 +340,7 @@ class ScheduleCost:
 def schedule_cost(cfg: RunConfig, world_size: int | None = None, optimizer: bool = True) -> ScheduleCost:
     """Every geometry's and (with `optimizer`) every optimizer phase's cost for one rank of
     `world_size` processes."""
-    from model.summary import build_rank_on_meta, geometries
+    from perf.memory import build_rank_on_meta, geometries
 
     world_size = world_size or cfg.virtual_world_size
     rank = build_rank_on_meta(cfg, world_size)

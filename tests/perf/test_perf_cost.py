@@ -52,7 +52,7 @@ def test_attention_pairs_match_a_brute_force_mask(window):
 
 @pytest.fixture(scope="module")
 def smoke_rank():
-    from model.summary import build_rank_on_meta
+    from perf.memory import build_rank_on_meta
 
     return build_rank_on_meta(RUN_PRESETS["smoke"], 2)
 
@@ -62,7 +62,7 @@ def test_the_smoke_model_at_full_softmax_is_6_n_t_within_a_band(smoke_rank):
     meets in a matmul. Not equal, and why: the banks hold rows some layers do not use (narrow heads
     on the qk bank, layers without MLP slots), the MUDD and gate matrices are tiny, and lm_head
     counts once for all MTP offsets; measured 0.975 (smoke) and 0.90 (record, stage 3)."""
-    from model.summary import geometries
+    from perf.memory import geometries
 
     settings, steps = next((s, st) for s, st in geometries(smoke_rank.schedule) if not s.softmax_p)
     g = cost.geometry_cost(smoke_rank, settings, steps)

@@ -308,7 +308,7 @@ def test_warmup_plan_visits_every_repeated_key_twice(preset):
 
     import train_gpt
     from config import RUN_PRESETS
-    from model.summary import build_rank_on_meta
+    from perf.memory import build_rank_on_meta
 
     rank = build_rank_on_meta(RUN_PRESETS[preset], 1)   # the run's manager and schedule, on "meta"
     schedule, manager = rank.schedule, rank.manager

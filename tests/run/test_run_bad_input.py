@@ -187,6 +187,7 @@ def test_a_good_configuration_passes_the_check(shards):
     ("optim.schedule", ["--world-size", "0"], "argument --world-size: 0: must be a positive integer"),
     ("model.summary", ["--world-size", "-8"], "argument --world-size: -8: must be a positive integer"),
     ("model.summary", ["--config", "huge"], "argument --config: invalid choice: 'huge'"),
+    ("perf.memory", ["--world-size", "0"], "argument --world-size: 0: must be a positive integer"),
     ("perf.cuda_graphs.contract", ["--steps", "2"], "--steps 2: must be in [3, 70]"),
     ("perf.cuda_graphs.contract", ["--config", "smoek"], "did you mean smoke?"),
     ("perf.preflight", ["--config", "smoke", "--records-dir", "/proc/speedrun"], "--records-dir /proc/speedrun: "

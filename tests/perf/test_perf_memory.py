@@ -1,12 +1,13 @@
-"""model/summary.py --memory: the per-rank memory table and the peak estimate of a training step."""
+"""perf/memory.py: the per-rank memory table and the peak estimate of a training step."""
 import math
 
 import pytest
 import torch
 
 from config import RUN_PRESETS
-from model.summary import (GIB, LiveStorages, build_on_meta, build_rank_on_meta, geometries, main, memory_report,
-                           saved_for_backward, static_items, step_memory)
+from model.summary import build_on_meta
+from perf.memory import (GIB, LiveStorages, build_rank_on_meta, geometries, main, memory_report, saved_for_backward,
+                         static_items, step_memory)
 
 GB = 10 ** 9
 
@@ -133,7 +134,7 @@ def test_nothing_wider_than_2_bytes_is_saved_at_tokens_by_classes():
 
 
 def test_memory_command_ends_with_the_two_lines(capsys, record_report):
-    main(["--config", "smoke", "--memory"])
+    main(["--config", "smoke"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2].startswith("static per rank: ") and lines[-2].endswith(" GiB")
     assert lines[-1].startswith("per-rank peak estimate: ") and lines[-1].endswith(" GiB")
@@ -156,3 +157,29 @@ def test_reset_snapshot_is_a_host_copy(monkeypatch):
         assert snap.device.type == "cpu" and not snap.is_pinned()
         assert snap.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
         assert torch.equal(snap, t)
+
+
+def test_the_layout_keeps_its_import_rules():
+    """DESIGN "Layout": the model imports neither optim/ nor data/ (the memory report, which builds
+    the optimizer and the n-gram table, lives in perf/memory.py), and a kernel imports no model file.
+    Read from the sources, lazy imports inside functions included."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+
+    def imports(path: Path) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+        return names
+
+    broken = []
+    for path in sorted((root / "model").glob("*.py")):
+        broken += [f"{path.name} imports {n}" for n in imports(path) if n.split(".")[0] in ("optim", "data")]
+    for path in sorted((root / "perf" / "kernels").glob("*.py")):
+        broken += [f"kernels/{path.name} imports {n}" for n in imports(path) if n.split(".")[0] == "model"]
+    assert broken == []
