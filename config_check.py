@@ -69,6 +69,23 @@ def exit_on_config_error(prog: str, is_master: bool = True):
         raise SystemExit(EXIT_CONFIG_ERROR) from None
 
 
+def parse_preset_args(prog: str, description: str, argv, presets, world_size_help: str,
+                      world_size_default: int | None = None, ranks_of=None) -> argparse.Namespace:
+    """The measuring tools' command line (model.summary, perf.memory, perf.cost): --config PRESET and
+    --world-size W, bad input refused in one line with exit 2. ranks_of: preset name -> the ranks
+    W must divide (the process count of a run); None: any positive W."""
+    with exit_on_config_error(prog):
+        parser = ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--config", default="record", choices=sorted(presets))
+        parser.add_argument("--world-size", type=positive_int, default=world_size_default, help=world_size_help)
+        args = parser.parse_args(argv)
+        if ranks_of is not None and args.world_size is not None and ranks_of(args.config) % args.world_size:
+            raise ConfigError(f"--world-size {args.world_size}: must divide --config {args.config}'s "
+                              f"{ranks_of(args.config)} ranks")
+    return args
+
+
 def check_preset(name: str, presets, flag: str = "--config") -> None:
     """For entry points that take a preset name as free text: refuse a typo, suggesting the nearest."""
     if name not in presets:

@@ -8,12 +8,10 @@ optimizer and the n-gram table too, which the model does not import).
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from config import MODEL_PRESETS, ModelConfig
-from config_check import ArgumentParser, exit_on_config_error, positive_int
+from config_check import parse_preset_args
 from model.gpt import GPT
 
 # Optimizer of each parameter in record #360 (modules §10.2): ANVIL on the three banks, Adam on the rest.
@@ -62,13 +60,8 @@ def format_summary(cfg: ModelConfig, model: GPT, world_size: int = 8) -> str:
 
 
 def main(argv=None) -> None:
-    with exit_on_config_error("python -m model.summary"):
-        parser = ArgumentParser(prog="python -m model.summary", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-        parser.add_argument("--config", default="record", choices=sorted(MODEL_PRESETS))
-        parser.add_argument("--world-size", type=positive_int, default=8,
-                            help="ranks the n-gram table is sharded over (default: 8)")
-        args = parser.parse_args(argv)
+    args = parse_preset_args("python -m model.summary", __doc__, argv, MODEL_PRESETS, world_size_default=8,
+                             world_size_help="ranks the n-gram table is sharded over (default: 8)")
     cfg = MODEL_PRESETS[args.config]
     print(format_summary(cfg, build_on_meta(cfg), args.world_size))
 

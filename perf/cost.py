@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from config import RUN_PRESETS, RunConfig
-from config_check import ArgumentParser, exit_on_config_error, positive_int
+from config_check import parse_preset_args
 
 aten = torch.ops.aten
 GEMM_KINDS = ("fp8 GEMM", "bf16 GEMM", "fp32 GEMM", "attention")
@@ -447,18 +447,11 @@ def _matmul_params(cost: ScheduleCost) -> int:
 
 
 def main(argv=None) -> None:
-    with exit_on_config_error("python -m perf.cost"):
-        ap = ArgumentParser(prog="python -m perf.cost", description=__doc__.split("\n\n")[0])
-        ap.add_argument("--config", default="record", choices=sorted(RUN_PRESETS))
-        ap.add_argument("--world-size", type=positive_int, default=None,
-                        help="processes (default: the preset's ranks, 8 for record and dev; 2 for smoke)")
-        args = ap.parse_args(argv)
-        cfg = RUN_PRESETS[args.config]
-        if args.world_size is not None and cfg.virtual_world_size % args.world_size:
-            from config import ConfigError
-
-            raise ConfigError(f"--world-size {args.world_size}: must divide --config {cfg.name}'s "
-                              f"{cfg.virtual_world_size} ranks")
+    args = parse_preset_args("python -m perf.cost", __doc__.split("\n\n")[0], argv, RUN_PRESETS,
+                             world_size_help="processes (default: the preset's ranks, 8 for record and dev; "
+                                             "2 for smoke)",
+                             ranks_of=lambda name: RUN_PRESETS[name].virtual_world_size)
+    cfg = RUN_PRESETS[args.config]
     print(format_cost(schedule_cost(cfg, args.world_size)))
 
 

@@ -19,7 +19,6 @@ The record preset takes about 6 s on a 2-core CPU (every geometry, forward and b
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import weakref
@@ -32,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from config import RUN_PRESETS, RunConfig
-from config_check import ArgumentParser, exit_on_config_error, positive_int
+from config_check import parse_preset_args
 from data.loader import dummy_batch
 from data.ngram import ngram_hash_sizes
 from model import attention as model_attention
@@ -488,14 +487,10 @@ def format_memory(report: MemoryReport, top: int = 6) -> str:
 
 
 def main(argv=None) -> None:
-    with exit_on_config_error("python -m perf.memory"):
-        parser = ArgumentParser(prog="python -m perf.memory", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-        parser.add_argument("--config", default="record", choices=sorted(RUN_PRESETS))
-        parser.add_argument("--world-size", type=positive_int, default=None,
-                            help="processes (default: the preset's ranks); each plays the others' batches by "
-                                 "gradient accumulation")
-        args = parser.parse_args(argv)
+    args = parse_preset_args("python -m perf.memory", __doc__, argv, RUN_PRESETS,
+                             world_size_help="processes (default: the preset's ranks); each plays the others' "
+                                             "batches by gradient accumulation",
+                             ranks_of=lambda name: RUN_PRESETS[name].virtual_world_size)
     cfg = RUN_PRESETS[args.config]
     print(format_memory(memory_report(cfg, args.world_size or cfg.virtual_world_size)))
 

@@ -188,6 +188,8 @@ def test_a_good_configuration_passes_the_check(shards):
     ("model.summary", ["--world-size", "-8"], "argument --world-size: -8: must be a positive integer"),
     ("model.summary", ["--config", "huge"], "argument --config: invalid choice: 'huge'"),
     ("perf.memory", ["--world-size", "0"], "argument --world-size: 0: must be a positive integer"),
+    ("perf.memory", ["--config", "smoke", "--world-size", "3"], "--world-size 3: must divide --config smoke's 2 ranks"),
+    ("perf.cost", ["--config", "dev", "--world-size", "3"], "--world-size 3: must divide --config dev's 8 ranks"),
     ("perf.cuda_graphs.contract", ["--steps", "2"], "--steps 2: must be in [3, 70]"),
     ("perf.cuda_graphs.contract", ["--config", "smoek"], "did you mean smoke?"),
     ("perf.preflight", ["--config", "smoke", "--records-dir", "/proc/speedrun"], "--records-dir /proc/speedrun: "
