@@ -30,7 +30,7 @@ communication order of record #360 (record_360.md §3, §7; modules §10).
   on torch 2.13 gloo); no PREMUL_SUM, no fp8 tensors.
 * Deferred gathers (defer_gathers, record #360): the banks' all-gathers leave `step`; the caller
   launches them after it (`launch_deferred_gathers`) and waits before the banks are next read
-  (`wait_gathers`; train_gpt.Run.flush at the next step's top), so they run under whatever comes
+  (`wait_gathers`; training.Run.flush at the next step's top), so they run under whatever comes
   between. Each rank's own matrices are updated in place, so its own rows are final meanwhile.
 
 The n-gram table is not a parameter: `NgramRowOptimizer` (below) runs its row-sparse Adam on the
@@ -162,11 +162,11 @@ class OptimizerManager:
         states without one (perf/memory.py); such a manager must not step.
         keep_grads: zero the consumed gradients in place instead of releasing them (`p.grad = None`),
         so the next backward accumulates into the same storage: what a captured backward and update
-        need (train_gpt.Run). The values are bitwise the same (x + 0 is x).
+        need (training.Run). The values are bitwise the same (x + 0 is x).
         defer_gathers: the banks' all-gathers leave `step` (see `deferred`): the caller launches
         them after it (`launch_deferred_gathers`) and waits before the weights are next read
         (`wait_gathers`), so they overlap whatever runs in between (record #360's deferred
-        gathers; train_gpt waits at the top of the next step, before the forward)."""
+        gathers; training.Run.flush waits at the top of the next step, before the forward)."""
         if cfg.bank_optimizer not in ("anvil", "normuon"):
             raise ValueError(f"OptimConfig.bank_optimizer={cfg.bank_optimizer!r}: expected "
                              "'anvil' or 'normuon'")
@@ -588,7 +588,7 @@ class NgramRowOptimizer:
         self.state = RowAdamState.zeros(rows_per_rank, device=shard.device, capacity=events)
         self._held: list[tuple[RowPlan, Tensor]] = []     # this cycle's (plan, (U_k, D) fp32)
         self.version = 0  # bumped whenever the table's rows change here (events, reset): rows
-                          # pulled ahead are valid while it stands (train_gpt's row prefetch)
+                          # pulled ahead are valid while it stands (training.Run's row prefetch)
 
     def accumulate(self, plan: RowPlan, sink_grad: Tensor) -> None:
         """Hold one step's gradient rows, merged per distinct row of the plan."""

@@ -182,7 +182,7 @@ class RowExchange:
     def start_pull(self, table_shard: Tensor, plan: RowPlan) -> "PendingPull":
         """The exchange of `pull`, launched and not waited (async_op): its `finish` waits and
         expands. What the table holds now is what `finish` returns, so nothing may write the
-        table's rows in between (train_gpt's row prefetch pulls a step ahead only across steps
+        table's rows in between (training.Run's row prefetch pulls a step ahead only across steps
         that are not table events)."""
         self._check(plan)
         if table_shard.dim() != 2 or table_shard.size(0) != self.rows_per_rank:

@@ -4,7 +4,7 @@
     python -m perf.cross_compile --config record --steps 681 --no-validation   # one record geometry
 
 A CPU-only torch with one faked SM90 device (perf/fake_sm90.py: the process re-executes itself with
-a small preloaded library) compiles exactly what a run compiles: the model built as `train_gpt.Run`
+a small preloaded library) compiles exactly what a run compiles: the model built as `training.Run`
 builds it (fp8 weight caches, the optimizer's value-embedding gradient buffer), compiled through
 `perf/compile.py` unchanged (inductor, fullgraph, static shapes), with the fast path's backend
 (Triton kernels, fp8, fused QKV, FA3 through a stand-in op with a shape-only kernel, no host checks).
@@ -46,7 +46,7 @@ class GraphSpec:
     name: str
     training: bool
     step: int  # training: the geometry's first step; validation: -1 mid-run (windows YaRN-rescaled as the
-    #   run's), total_steps for the final one (the extended long window, no YaRN: train_gpt's set_windows)
+    #   run's), total_steps for the final one (the extended long window, no YaRN: training.Run.set_windows)
     windows: tuple[int, int]
     canonical_mask: bool = False
 
@@ -278,7 +278,7 @@ def _fast_backend(base):
 
 
 def build_model(cfg):
-    """The model as `train_gpt.Run` builds it, on the fake CUDA device: fp8 caches refreshed, the
+    """The model as `training.Run` builds it, on the fake CUDA device: fp8 caches refreshed, the
     optimizer's value-embedding gradient buffer attached (the warmup compiles before the prefix
     table is set; a buffer's values do not change the graph)."""
     from model.gpt import GPT

@@ -734,7 +734,7 @@ def check_model_compile(ctx: Context) -> list[Result]:
 def check_cuda_graphs(ctx: Context) -> list[Result]:
     """The record-shaped step's two capturable regions (`_record_step`, one rank of 8, uncompiled
     so as not to pay a second compile here): forward + backward, and the optimizer update with the
-    fp8 refresh, each warmed up, captured and checked against an eager call as train_gpt does it
+    fp8 refresh, each warmed up, captured and checked against an eager call as training.Run does it
     (perf/cuda_graphs/capture.py), then timed eager against replayed. The error is the capture
     check's worst relative difference (tolerance CUDA_TOLERANCE; bitwise in a dry run, where the
     smoke model replays through the CPU twin on the portable path: plumbing only)."""
@@ -773,7 +773,7 @@ def _cuda_graphs_results(ctx: Context) -> list[Result]:
         rows.grad.zero_()
         manager.load_scalars(step)
         graphs.run("optimizer", manager.phase(step), lambda: manager.step(step, untie=False))
-        exact = model.next_fp8_refresh_exact()  # train_gpt: Run.flush, at the next step's top
+        exact = model.next_fp8_refresh_exact()  # training.Run.flush, at the next step's top
         graphs.run("fp8_refresh", exact, lambda: model.refresh_fp8(exact))
 
     step_once()  # warm-up calls

@@ -357,7 +357,7 @@ class MetaStep:
 
 
 def meta_step(rank: RankOnMeta, settings: StepSettings, steps: list[int]) -> MetaStep:
-    """The inputs `train_gpt.Run.train_step` gives the model at `settings`' geometry, on "meta"."""
+    """The inputs `training.Run.train_step` gives the model at `settings`' geometry, on "meta"."""
     cfg, m, D = rank.cfg, rank.model, rank.cfg.model.model_dim
     T = settings.batch_tokens // cfg.virtual_world_size
     host = dummy_batch(T, settings.doc_cap, virtual_seq_cap=cfg.schedule.virtual_seq_cap,
@@ -401,7 +401,7 @@ def step_memory(rank: RankOnMeta, settings: StepSettings, steps: list[int], flas
     # held during a forward, cycle = 4 steps from table_period4_step on, else 2
     cycle = 4 if any(rank.schedule.table_period4(s) for s in steps) else 2
     held = ((cycle - 1) * rank.accum + rank.accum - 1) * 2 * T * D * 4
-    # the row prefetch (train_gpt.Run.prefetch) holds the next step's pulls across this forward and
+    # the row prefetch (training.Run.prefetch) holds the next step's pulls across this forward and
     # backward, per virtual rank: the rows received (U <= 2T distinct, bf16) and, on several
     # ranks, the rows this rank serves the others (2T on average), at this geometry's T
     pulls = (1 if rank.world_size == 1 else 2) * rank.accum * 2 * T * D * 2 if current_backend().row_prefetch else 0

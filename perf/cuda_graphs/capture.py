@@ -6,7 +6,7 @@ is hundreds of small launches (the ANVIL cascade, the Adam tail, the fp8 refresh
 replicated parameters) that the host cannot issue as fast as the GPU runs them; a replay issues
 them all in one call.
 
-`RegionGraphs.run(region, key, fn)` is what `train_gpt.Run.train_step` calls for each capturable
+`RegionGraphs.run(region, key, fn)` is what `training.Run.train_step` calls for each capturable
 region ("forward_backward" per step geometry, "optimizer" per optimizer phase and fp8 refresh
 mode; perf/cuda_graphs/contract.py states what a region must keep to be capturable):
 
@@ -17,10 +17,10 @@ mode; perf/cuda_graphs/contract.py states what a region must keep to be capturab
   replayed, the state restored again and `fn` run eagerly; the replay must match the eager run
   (`GraphMismatch`, naming the region, key and tensors, stops the run otherwise). The check runs
   on the state a real call meets (the optimizer's gradients in place, say), which is why it waits
-  for a second call: `train_gpt.warmup_steps` visits every key the run meets more than once twice;
+  for a second call: `training.warmup_steps` visits every key the run meets more than once twice;
 * later calls of a captured key replay the graph and return its static outputs;
 * a key in `eager_keys` always runs eagerly: the plan's keys that a run meets only once (a graph
-  would not pay; `train_gpt.Run.warmup` lists them, the log line names them);
+  would not pay; `training.Run.warmup` lists them, the log line names them);
 * any other key first met after `freeze()` (the timed loop) runs eagerly, counted in
   `eager_calls`, or, with `strict` (the record), stops the run: a record never falls back silently.
 
@@ -346,7 +346,7 @@ class RegionGraphs:
             return self._capture(region, key, fn)
         if self.strict:
             raise RuntimeError(f"CUDA graphs: region {region!r} key {key!r} is met in the timed loop but was not "
-                               f"captured during the warmup (train_gpt.warmup_steps must call every key twice); "
+                               f"captured during the warmup (training.warmup_steps must call every key twice); "
                                f"a record run does not fall back to eager")
         self.eager_calls[slot] = self.eager_calls.get(slot, 0) + 1
         return fn()
@@ -473,7 +473,7 @@ class RegionGraphs:
 
 
 def train_steps(config: str, steps: int, graphed: bool, seed: int = 0):
-    """A one-process train_gpt.Run of `config`: the warmup planned for the first `steps` steps
+    """A one-process training.Run of `config`: the warmup planned for the first `steps` steps
     (captures included when graphed), the in-place reset, then `steps` training steps on fixed
     dummy batches. Returns (the step losses, {state name: a host copy after them}, the plan)."""
     from data.loader import dummy_batch

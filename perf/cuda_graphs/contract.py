@@ -29,7 +29,7 @@ Tensors are named by parameter, gradient, buffer, optimizer-state or static-inpu
 (`run_state`); an unnamed tensor from outside a region that changes address is a per-step input
 that did not go through a static buffer.
 
-The regions of a training step (`train_gpt.Run.train_step` runs each through `Run.run_region(name, key, fn)`;
+The regions of a training step (`training.Run.train_step` runs each through `Run.run_region(name, key, fn)`;
 perf/cuda_graphs/capture.py captures and replays them):
 
 * "forward_backward", keyed by the step geometry (`StepSettings.geometry`): one micro-batch's
@@ -392,7 +392,7 @@ def optimizer_state(manager) -> list[tuple[str, Tensor]]:
 
 
 def run_state(run) -> list[tuple[str, Tensor]]:
-    """[(name, tensor)] of everything of a train_gpt.Run that outlives a region: parameters and
+    """[(name, tensor)] of everything of a training.Run that outlives a region: parameters and
     their gradients, buffers, optimizer states and device scalars, the n-gram table and its
     optimizer, the schedule's weight buffers, the static inputs (first name wins for shared
     storage: parameters first)."""
@@ -414,13 +414,13 @@ def run_state(run) -> list[tuple[str, Tensor]]:
 
 
 def build_run(config: str = "smoke", seed: int = 0):
-    """A one-process train_gpt.Run of a preset, with host checks off (as on a GPU)."""
-    import train_gpt
+    """A one-process training.Run of a preset, with host checks off (as on a GPU)."""
+    import training
     from config import RUN_PRESETS
     cfg = dataclasses.replace(RUN_PRESETS[config], seed=seed)
-    setup = train_gpt.Setup(cfg)
+    setup = training.Setup(cfg)
     setup.check(cfg)
-    return train_gpt.Run(cfg, setup)
+    return training.Run(cfg, setup)
 
 
 def check_run(run, steps: int, start: int = 0, checker: ContractChecker | None = None,

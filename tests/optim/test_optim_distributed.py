@@ -51,7 +51,7 @@ WORKER = textwrap.dedent('''
                 mgr.step(step)
             except RuntimeError as e:
                 refused = str(e)
-        mgr.wait_gathers()                   # train_gpt: Run.flush, at the top of the next step
+        mgr.wait_gathers()                   # training.Run.flush, at the top of the next step
         model.random_grads(seed=step)        # identical on every rank
         g = torch.Generator().manual_seed(1000 + step)
         ngram.accumulate(exchange.plan(torch.randint(0, 64, (24,), generator=g, dtype=torch.int32)),

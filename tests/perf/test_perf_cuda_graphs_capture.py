@@ -301,12 +301,12 @@ def test_cuda_graph_replays_bitwise_like_eager_on_gpu():
 
 @pytest.mark.parametrize("preset", ["smoke", "record"])
 def test_warmup_plan_visits_every_repeated_key_twice(preset):
-    """train_gpt.warmup_steps with the run's region keys: every (region, key) the run meets more
+    """training.warmup_steps with the run's region keys: every (region, key) the run meets more
     than once is met at least twice in the warmup (warm-up, then capture), checked by brute force
     over the whole schedule; --max-steps plans only the steps before it."""
     import collections
 
-    import train_gpt
+    import training
     from config import RUN_PRESETS
     from perf.memory import build_rank_on_meta
 
@@ -319,11 +319,11 @@ def test_warmup_plan_visits_every_repeated_key_twice(preset):
 
     for horizon in (None, 9):
         n = horizon or schedule.total_steps
-        steps = train_gpt.warmup_steps(schedule, keys, horizon)
+        steps = training.warmup_steps(schedule, keys, horizon)
         assert all(0 <= st < n for st in steps)
         met = collections.Counter(k for st in range(n) for k in keys(st))
         visited = collections.Counter(k for st in steps for k in keys(st))
         assert {k for k, c in met.items() if c >= 2 and visited[k] < 2} == set()
-        assert set(train_gpt.warmup_steps(schedule, None, horizon)) <= set(steps)
+        assert set(training.warmup_steps(schedule, None, horizon)) <= set(steps)
     # the tied phase ends after the split step, as the run unties there
     assert manager.phase_at(schedule.split_step).tied and not manager.phase_at(schedule.split_step + 1).tied

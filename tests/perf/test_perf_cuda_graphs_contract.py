@@ -44,7 +44,7 @@ def toy(seed: int = 0, keep_grads: bool = True, bank_optimizer: str = "anvil"):
 
 
 def toy_steps(model, manager, checker, steps, forward_hook=None, optimizer_hook=None):
-    """The training step's two regions, as train_gpt.Run.train_step draws them."""
+    """The training step's two regions, as training.Run.train_step draws them."""
     for step in steps:
         model.x.copy_(torch.randn(32, 8, generator=torch.Generator().manual_seed(step)))  # into the static input
         with checker.region("forward_backward", "toy"):

@@ -1,4 +1,4 @@
-"""train_gpt.Run's row prefetch (SPEEDRUN_ROW_PREFETCH): the next step's n-gram rows are planned and
+"""training.Run's row prefetch (SPEEDRUN_ROW_PREFETCH): the next step's n-gram rows are planned and
 pulled during this step unless this step is a table event, the next step uses them instead of
 planning again, and a prefetch that no longer fits (other batches, a table change since) stops the
 step. Losses with the prefetch on and off are compared bit for bit in tests/run/test_run_train.py

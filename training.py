@@ -1,0 +1,501 @@
+"""The machinery of one run, which train_gpt.py reads top to bottom and the tools drive directly.
+
+    Setup        this process's rank, world, device and virtual ranks; the node checks
+    Run          the model, its n-gram table shard, the optimizers and samplers: `train_step` (the
+                 captured regions), `warmup` and `reset`, `validate`, `flush`
+    warmup_steps the steps the untimed warmup visits (every geometry, and every CUDA-graph key twice)
+    checkpoints  save_checkpoint / load_checkpoint
+
+It lives apart from train_gpt.py so that tools (perf/cuda_graphs/contract.py and capture.py, perf/cross_compile.py,
+perf/memory.py, the tests) build the run exactly as the script does without importing the script: nothing imports
+train_gpt.py, so no import circle runs through it (DESIGN.md, import rules).
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from config import RunConfig
+from data.loader import dummy_batch, val_batches
+from data.ngram import ngram_hash_sizes
+from model.embeddings import NgramTable
+from model.gpt import GPT, StepArgs
+from model.loss import CandidateSampler
+from optim.manager import NgramRowOptimizer, OptimizerManager
+from optim.row_exchange import RowExchange
+from optim.schedule import StepWeights, TrainingSchedule
+from perf import backend as perf_backend
+from perf.attention_backends import assert_record_backends
+from perf.compile import compile_model
+from perf.cuda_graphs.capture import RegionGraphs
+from perf.cuda_graphs.contract import run_state
+from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS
+from perf.pinned_batches import PinnedBatchRing
+from perf.preflight import cheap_checks, raise_on_fail
+from perf.sync_check import host_side
+from records.run_log import read_source
+
+REPO_ROOT = Path(__file__).resolve().parent
+
+# ----------------------------------------------------------------------------------------------------
+# setup: processes, devices, the checks that must fail before any training
+# ----------------------------------------------------------------------------------------------------
+
+
+class Setup:
+    """This process's place in the run: rank, world, device, and which virtual ranks it plays."""
+
+    def __init__(self, cfg: RunConfig):
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+        if want_cuda:
+            torch.cuda.set_device(self.device)
+        self.backend = perf_backend.current()
+        self.is_master = self.rank == 0
+        # gradient accumulation: process p plays virtual ranks p·A .. p·A + A − 1
+        self.accum = cfg.virtual_world_size // self.world_size
+        self.virtual_ranks = list(range(self.rank * self.accum, (self.rank + 1) * self.accum))
+
+    def check(self, cfg: RunConfig) -> None:
+        """The record's node checks (the configuration itself was checked up front, config_check.py)."""
+        if cfg.requires_fast_path:  # a record run never falls back to a slower path
+            assert_record_backends(self.backend)
+            # the node's stack, GPUs, driver, CUDA 13 runtime, data, BPE files, disk, RAM, compiler
+            raise_on_fail(cheap_checks(cfg))
+
+    def init_process_group(self, timeout_s: int) -> None:
+        if self.world_size > 1:
+            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        if self.world_size > 1:
+            dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------
+# build
+# ----------------------------------------------------------------------------------------------------
+
+
+def run_eagerly(region: str, key, fn):
+    """`RegionGraphs.run`'s signature without CUDA graphs: just the call."""
+    return fn()
+
+
+@dataclass
+class RowPrefetch:
+    """Row pulls launched a step ahead (`Run.prefetch`): one per batch, valid while the n-gram
+    table's version stands."""
+    batches: list
+    pulls: list  # optim/row_exchange.py PendingPull, one per batch
+    version: int
+
+    def wait(self) -> None:
+        for pull in self.pulls:
+            pull.wait()
+
+
+class Run:
+    """The model, its n-gram table shard, the optimizers and the per-rank samplers of one run."""
+
+    def __init__(self, cfg: RunConfig, setup: Setup):
+        self.cfg, self.setup = cfg, setup
+        if cfg.seed is not None:
+            torch.manual_seed(cfg.seed)
+        self.schedule = TrainingSchedule(cfg.schedule)
+        self.model = GPT(cfg.model, fp8=setup.backend.fp8).to(setup.device)
+        if setup.world_size > 1:  # every rank starts from rank 0's weights and sign pool
+            for t in [*self.model.parameters(), self.model.ngram_sign_pool]:
+                dist.broadcast(t.data, 0)
+        self.table = NgramTable(cfg.model, setup.rank, setup.world_size, device=setup.device)
+        # keep_grads: gradients zeroed in place, never released (a captured backward adds into them)
+        # defer_gathers (SPEEDRUN_DEFERRED_GATHERS): the bank all-gathers run between steps (`flush`)
+        self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim, keep_grads=True,
+                                        defer_gathers=setup.backend.deferred_gathers)
+        # value_embeds' backward adds straight into the optimizer's fp16 cycle buffer (record #360)
+        self.model.value_embed_grad_buffer = self.manager.cycle_gradient("value_embeds")
+        # the table's rows move between ranks by host-planned exchanges (no host sync on the device)
+        self.exchange = RowExchange(cfg.model.ngram_rows, setup.rank, setup.world_size, setup.device)
+        self.ngram_opt = NgramRowOptimizer(self.table.rows, self.table.rows.size(0), self.manager, self.exchange)
+        self.step_weights = StepWeights(self.schedule, setup.device)  # MTP / prefix weights as tensors
+        self.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size)
+                         for r in setup.virtual_ranks]
+        self.windows = self.schedule.windows(0)
+        # the post-warmup reset's snapshot of the weights, off the device for the whole run: pinned
+        # host memory on CUDA (copied back non-blocking; the clock starts after a synchronize), a
+        # plain host copy otherwise. Tensors only: the YaRN scales (extra state) reset by reset_rotary.
+        pin = setup.device.type == "cuda"
+        self.initial_state = {
+            k: torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pin).copy_(v)
+            for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
+        self.model.refresh_fp8()  # the fp8 weight caches, before the first training forward
+        self.forward = compile_model(self.model, setup.backend)  # fullgraph; the module itself when not compiling
+        self.hash_sizes = ngram_hash_sizes(cfg.model)  # the loader's n-gram hashes match the model's tables
+        # CUDA graphs (SPEEDRUN_CUDA_GRAPHS): train_step runs each capturable region through
+        # run_region(name, key, fn); the warmup captures every key, the timed loop replays
+        # (perf/cuda_graphs/capture.py; on CPU its twin). perf/cuda_graphs/contract.py swaps its checker in as region_runner.
+        self.graphs = RegionGraphs.for_device(setup.device, lambda: run_state(self), strict=cfg.requires_fast_path) \
+            if setup.backend.cuda_graphs else None
+        self.region_runner = self.graphs.run if self.graphs is not None else run_eagerly
+        self.step_position = self.position = "setup"  # where a collective timeout names this rank
+        self.static_inputs: dict[tuple, torch.Tensor] = {}  # (name, shape, dtype) -> device buffer
+        self.batch_ring = PinnedBatchRing(setup.device) if setup.backend.pinned_batches else None
+        # what the last update leaves for `flush`: the fp8 refresh (its exact mode) and, in the
+        # manager, the deferred bank gathers
+        self.fp8_refresh_pending: bool | None = None
+        # SPEEDRUN_ROW_PREFETCH: the next step's row pulls, launched during this step
+        self.prefetched: RowPrefetch | None = None
+
+    def run_region(self, region: str, key, fn):
+        """fn() as the capturable region (region, key): captured or replayed under CUDA graphs, else
+        run; the position notes it for a collective timeout. (A method, not a closure stored on the
+        run: that cycle kept the Run, its process-group tensors included, alive into interpreter exit,
+        where gloo's threads aborted 1 exit in 6.)"""
+        self.position = f"{self.step_position}, region {region} key {key!r}"
+        out = self.region_runner(region, key, fn)
+        self.position = f"{self.step_position}, between regions"
+        return out
+
+    def flush(self) -> None:
+        """Finish the last optimizer update before anything reads the weights: wait for its
+        deferred bank gathers (on CUDA the stream waits, not the host), then re-quantize the fp8
+        MLP weights (a captured region of its own, keyed by the refresh mode). At the top of every
+        training step and validation, in `reset`, and before the tail averages ship; a no-op when
+        nothing is pending. The banks are first read by layer 0, so waiting here, before the
+        forward, is waiting just before the first reader."""
+        self.manager.wait_gathers()
+        exact, self.fp8_refresh_pending = self.fp8_refresh_pending, None
+        if exact is not None:
+            self.run_region("fp8_refresh", exact, lambda: self.model.refresh_fp8(exact))
+
+    def close(self) -> None:
+        """Before destroy_process_group: no gather in flight, and no graph left holding the
+        communicator (see RegionGraphs.release)."""
+        self.manager.wait_gathers()
+        if self.graphs is not None:
+            self.graphs.release()
+
+    def upload(self, host_batch, softmax_p: int, sampler: CandidateSampler | None = None, static: bool = False,
+               plan=None):
+        """The host batch on the device, its n-gram row plan and its sampled-softmax candidates.
+
+        The plan and the candidates are built from the host batch (host work the sync check lets
+        through); everything reaches the device by non-blocking copies (pinned memory on CUDA).
+        static: copy into this geometry's static input buffers (`static_input`), as a captured
+        training step needs, instead of into fresh device tensors. plan: the batch's row plan when
+        already made (a prefetched pull's)."""
+        with host_side():
+            if plan is None:
+                plan = self.exchange.plan(host_batch.ngram_ids)  # a host collective: every rank, same order
+            candidates = sampler.candidates(host_batch.targets, softmax_p) if softmax_p else None
+            if candidates is not None and self.setup.device.type == "cuda":
+                candidates = candidates.pin_memory()
+        if self.batch_ring is not None:  # a pinned slot and a side-stream copy (SPEEDRUN_PINNED_BATCHES)
+            host_batch = self.batch_ring.to_device(host_batch)
+        if static:
+            batch = replace(host_batch, **{f: self.static_input(f, getattr(host_batch, f))
+                                           for f in ("inputs", "targets", "cu_seqlens", "ngram_sign_rows")})  # ngram_ids: host only (the plan)
+            if candidates is not None:
+                candidates = self.static_input("candidates", candidates)
+            return batch, plan, candidates
+        batch = host_batch.to(self.setup.device, non_blocking=True)  # a no-op after the ring
+        if candidates is not None:
+            candidates = candidates.to(self.setup.device, non_blocking=True)
+        return batch, plan, candidates
+
+    def static_buffer(self, name: str, shape, dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
+        """The run's device buffer for inputs of this name, shape and dtype: one buffer per step
+        geometry, the same storage every step, so a captured step reads its inputs where it was
+        captured. A requires_grad buffer is a leaf whose .grad persists too (the caller zeroes it)."""
+        key = (name, tuple(shape), dtype)
+        buf = self.static_inputs.get(key)
+        if buf is None:
+            buf = self.static_inputs[key] = torch.empty(shape, dtype=dtype, device=self.setup.device)
+            buf.requires_grad_(requires_grad)
+        return buf
+
+    def static_input(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        """`src` copied (non-blocking, in place) into its static buffer (`static_buffer`)."""
+        buf = self.static_buffer(name, src.shape, src.dtype)
+        buf.copy_(src, non_blocking=True)
+        return buf
+
+    def set_windows(self, windows: tuple[int, int], yarn: bool = True) -> None:
+        if windows != self.windows and yarn:
+            self.model.rescale_rotary(self.windows, windows)
+        self.windows = windows
+
+    def train_step(self, step: int, batches, next_batches=None) -> torch.Tensor:
+        """Forward and backward of this process's batches, then every optimizer. Returns the summed
+        loss of the process's tokens (detached). next_batches: the batches of the step that follows
+        (the loop's peek), whose n-gram rows are then pulled during this step (SPEEDRUN_ROW_PREFETCH)."""
+        self.step_position = self.position = f"training step {step}"
+        self.flush()  # the previous update's deferred gathers and fp8 refresh, before the forward
+        s = self.schedule.settings(step)
+        self.set_windows((s.ws_short, s.ws_long))
+        mtp_weights, prefix_weight = self.step_weights.load(step)  # tensors: new values, same graph
+        total = torch.zeros((), device=self.setup.device)
+        table = self.table.rows
+        prefetched = self.take_prefetched(batches)
+        for i, (sampler, host_batch) in enumerate(zip(self.samplers, batches)):
+            pulled = prefetched[i] if prefetched is not None else None
+            batch, plan, candidates = self.upload(host_batch, s.softmax_p, sampler, static=True,
+                                                  plan=pulled.plan if pulled is not None else None)
+            # the sink leaf: the pulled rows (an all_to_all with host-planned sizes, outside the
+            # captured region) expanded straight into this geometry's static leaf
+            rows = self.static_buffer("ngram_rows", (plan.inverse_dev.numel(), table.size(1)), table.dtype,
+                                      requires_grad=True)
+            (pulled or self.exchange.start_pull(table, plan)).finish(out=rows)
+            if i == len(batches) - 1:  # this step's own pulls are done: the next step's go now
+                self.prefetch(step, next_batches)
+            args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp_weights,
+                            prefix_weight=prefix_weight, candidates=candidates, training=True,
+                            max_seq_len=batch.max_seq_len)
+
+            def forward_backward(batch=batch, rows=rows, args=args):
+                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
+                (loss / self.setup.accum).backward()  # the record's gradient: the mean over 8 ranks of each rank's sum
+                return loss.detach()
+
+            loss = self.run_region("forward_backward", s.geometry, forward_backward)
+            self.ngram_opt.accumulate(plan, rows.grad)  # merged per distinct row: a per-batch size, outside
+            rows.grad.zero_()  # the next backward accumulates into it (x + 0 is x, bitwise)
+            total += loss
+        if self.prefetched is not None:
+            # the prefetch's exchange is done before the optimizer graph, whose captured
+            # collectives would otherwise share the communicator with it unordered (on CUDA: a
+            # stream wait; its rows stay unexpanded until the next step)
+            self.prefetched.wait()
+        # the host half of the update, outside the region: this step's lr, betas, bias corrections
+        # into device scalars (in place)
+        self.manager.load_scalars(step)
+        self.run_region("optimizer", self.manager.phase(step), lambda: self.manager.step(step, untie=False))
+        # the banks' all-gathers (SPEEDRUN_DEFERRED_GATHERS) and the fp8 refresh after them wait for
+        # `flush`, at the next step's top; the refresh count is taken now (host state, in step order)
+        self.manager.launch_deferred_gathers(step)
+        if self.model.mlp_fp8 is not None:
+            self.fp8_refresh_pending = self.model.next_fp8_refresh_exact()
+        if self.manager.untie_due(step):  # once per run: embed's moments from lm_head's, host state too
+            self.manager.untie()
+        self.ngram_opt.step(step)
+        return total
+
+    def prefetch(self, step: int, next_batches) -> None:
+        """Plan the next step's row pulls and launch them (SPEEDRUN_ROW_PREFETCH), unless this
+        step is a table event: the event rewrites the table after the backward, and the next
+        step must read its rows after that."""
+        if next_batches is None or not self.setup.backend.row_prefetch or self.schedule.is_table_event(step):
+            return
+        with host_side():
+            plans = [self.exchange.plan(b.ngram_ids) for b in next_batches]  # host collectives, step order
+        self.prefetched = RowPrefetch(next_batches, [self.exchange.start_pull(self.table.rows, p) for p in plans],
+                                      self.ngram_opt.version)
+
+    def take_prefetched(self, batches):
+        """The pulls `prefetch` launched for these batches (None when it did not), checked to be
+        still valid: the same batch objects, no table change since."""
+        prefetched, self.prefetched = self.prefetched, None
+        if prefetched is None:
+            return None
+        if len(batches) != len(prefetched.batches) or any(a is not b for a, b in zip(batches, prefetched.batches)):
+            raise RuntimeError("train_step: the batches differ from the next_batches the previous step "
+                               "prefetched rows for (pass the loop's peeked batches unchanged)")
+        if prefetched.version != self.ngram_opt.version:
+            raise RuntimeError("train_step: the n-gram table changed after the rows were prefetched "
+                               "(a table event or a reset came between)")
+        return prefetched.pulls
+
+    def region_keys(self, step: int) -> list[tuple[str, object]]:
+        """The (region, key)s a run meets at `step` from step 0: what the warmup must capture (the
+        fp8 refresh of a step's update runs at the next `flush`, once per step all the same)."""
+        keys = [("forward_backward", self.schedule.settings(step).geometry),
+                ("optimizer", self.manager.phase_at(step))]
+        if self.model.mlp_fp8 is not None:
+            keys.append(("fp8_refresh", self.fp8_refreshes_before(step) < FP8_EXACT_SCALE_CALLS))
+        return keys
+
+    @staticmethod
+    def fp8_refreshes_before(step: int) -> int:
+        """fp8 refreshes a run has done when `step` updates: the reset's, then one per step."""
+        return step + 1
+
+    def warmup(self, val_steps: list[int], log, horizon: int | None = None) -> None:
+        """The untimed warmup on dummy data, so that every graph compiles here and the clock meets
+        none: a training step at every schedule geometry (`warmup_steps`), the validation forward
+        at the windows each intermediate validation will see (those of the step before it), and
+        the final validation (final windows, a stand-in canonical mask of the real one's shape).
+        Windows, YaRN scales and the order of window changes are the timed run's; each step's row
+        pulls are prefetched as in the timed loop. `reset()` undoes it all."""
+        cfg, schedule = self.cfg, self.schedule
+        horizon = min(horizon or schedule.total_steps, schedule.total_steps)
+        steps = warmup_steps(schedule, self.region_keys if self.graphs is not None else None, horizon)
+        if self.graphs is not None:  # a key the run meets once is not worth a graph: it runs eagerly
+            met = collections.Counter(key for st in range(horizon) for key in self.region_keys(st))
+            self.graphs.eager_keys = {key for key, count in met.items() if count < 2}
+        pending = {schedule.windows(max(k - 1, 0)) for k in val_steps}  # windows in force at each validation
+        log.print0(f"warming up on dummy data at steps {steps}, validation at windows {sorted(pending)} "
+                   f"and {schedule.final_windows()}", console=True)
+        def batches(step: int) -> list:
+            tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
+            return [dummy_batch(tokens, schedule.doc_cap(step), seed=step, **self.hash_sizes)
+                    for _ in self.setup.virtual_ranks]
+
+        following = batches(steps[0]) if steps else None
+        for i, step in enumerate(steps):
+            if self.windows in pending:
+                pending.discard(self.windows)
+                self.validate(self.dummy_val_batches(), self.windows)
+            if self.model.mlp_fp8 is not None:  # the fp8 refresh mode the timed loop has at this step
+                self.model.mlp_fp8.refresh_calls = self.fp8_refreshes_before(step)
+            current, following = following, batches(steps[i + 1]) if i + 1 < len(steps) else None
+            self.train_step(step, current, following)
+        if pending:
+            raise RuntimeError(f"warmup: no warmup step runs at windows {sorted(pending)} of an intermediate "
+                               f"validation (warmup_steps must visit every stage)")
+        if self.graphs is not None and self.graphs.pending():
+            raise RuntimeError(f"warmup: CUDA-graph keys warmed once but never captured: {self.graphs.pending()} "
+                               f"(warmup_steps must visit every key twice)")
+        self.set_windows(schedule.final_windows(), yarn=False)
+        vocab = cfg.model.vocab_size
+        mask = torch.zeros((vocab, (vocab + 7) // 8), dtype=torch.uint8, device=self.setup.device) \
+            if cfg.canonical_mask else None
+        self.validate(self.dummy_val_batches(), schedule.final_windows(), mask)
+
+    def dummy_val_batches(self) -> list[list]:
+        """One validation step of random tokens with the real validation geometry (one segment per
+        rank, no doc cap): what the warmup compiles the validation forward on."""
+        per_rank = self.cfg.val_batch_tokens // self.cfg.virtual_world_size
+        return [[dummy_batch(per_rank, per_rank, seed=r, virtual_seq_cap=per_rank, **self.hash_sizes)]
+                for r in self.setup.virtual_ranks]
+
+    def reset(self) -> None:
+        """Undo the warmup in place (addresses unchanged): weights, optimizer state, table, samplers."""
+        self.flush()  # no gather may land after the weights are restored
+        if self.prefetched is not None:
+            self.prefetched.wait()
+            self.prefetched = None
+        with torch.no_grad():
+            for name, t in self.model.state_dict().items():
+                if name in self.initial_state:  # tensors; the YaRN scales (extra state) reset below
+                    t.copy_(self.initial_state[name], non_blocking=True)  # host → device, in place
+            self.table.rows.zero_()
+        # gradients zeroed in place, not released: the captured backward accumulates into them
+        self.model.zero_grad(set_to_none=False)
+        for buf in self.static_inputs.values():
+            if buf.grad is not None:
+                buf.grad.zero_()
+        self.manager.reset()
+        self.ngram_opt.reset()
+        for sampler in self.samplers:
+            sampler.reset()
+        self.model.reset_rotary()
+        self.windows = self.schedule.windows(0)
+        self.model.rearm_fp8()
+        self.model.refresh_fp8()
+
+    def val_batches(self, val_glob: str) -> list[list]:
+        """Every validation batch this process evaluates (read on the clock, record #360)."""
+        cfg = self.cfg
+        per_rank = cfg.val_batch_tokens // cfg.virtual_world_size
+        return [list(val_batches(val_glob, r, cfg.virtual_world_size, per_rank, cfg.val_tokens, **self.hash_sizes))
+                for r in self.setup.virtual_ranks]
+
+    @torch.no_grad()
+    def validate(self, batches: list[list], windows: tuple[int, int], canonical_mask=None) -> float:
+        """Mean next-token loss over cfg.val_tokens (each process evaluates its virtual ranks)."""
+        cfg, setup = self.cfg, self.setup
+        self.step_position = self.position = "validation"
+        self.flush()  # the last update's gathers and fp8 refresh
+        total = torch.zeros((), dtype=torch.float64, device=setup.device)
+        for step_batches in zip(*batches):
+            for host_batch in step_batches:
+                batch, plan, _ = self.upload(host_batch, 0)
+                rows = self.exchange.pull(self.table.rows, plan)
+                args = StepArgs(ws_short=windows[0], ws_long=windows[1], training=False,
+                                max_seq_len=batch.max_seq_len, canonical_mask=canonical_mask)
+                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
+                total += loss.double() * batch.inputs.numel()
+        if setup.world_size > 1:
+            dist.all_reduce(total)
+        return total.item() / cfg.val_tokens
+
+
+def warmup_steps(schedule: TrainingSchedule, region_keys=None, horizon: int | None = None) -> list[int]:
+    """The first step of every schedule geometry (`StepSettings.geometry`: one compiled graph each)
+    and the step after it (so Adam and table steps run too), plus the split step: every shape the
+    clock will meet. With region_keys (step -> the CUDA-graph (region, key)s of that step, when
+    capturing), also the earliest steps that make every key the clock meets more than once run
+    twice: once to warm up, once to capture (perf/cuda_graphs/capture.py). horizon: the run stops
+    before this step (--max-steps): only steps before it are planned for."""
+    n = min(schedule.total_steps, horizon or schedule.total_steps)
+    seen, steps = set(), {schedule.split_step, schedule.split_step + 1}
+    for step in range(n):
+        geometry = schedule.settings(step).geometry
+        if geometry not in seen:
+            seen.add(geometry)
+            steps.update((step, step + 1))
+    steps = {st for st in steps if st < n}
+    if region_keys is not None:  # (keys the run meets once run eagerly: nothing to capture)
+        met = collections.Counter(key for st in range(n) for key in region_keys(st))
+        visits = collections.Counter(key for st in steps for key in region_keys(st))
+        for step in range(n):
+            keys = region_keys(step)
+            if step not in steps and any(visits[key] < 2 <= met[key] for key in keys):
+                steps.add(step)
+                visits.update(keys)
+    return sorted(steps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints
+# ----------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(run: Run, step: int, logs_dir: Path, run_id: str) -> Path:
+    """logs/<run_id>/state_step{step:06d}/: model.pt (rank 0) and rank{r}.pt (each rank's n-gram
+    shard and optimizer state), written to temp files and renamed."""
+    folder = logs_dir / run_id / f"state_step{step:06d}"
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def atomic_save(obj, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        torch.save(obj, tmp)
+        tmp.replace(path)
+
+    if run.setup.is_master:
+        atomic_save({"step": step, "config": asdict(run.cfg), "code": read_source(REPO_ROOT),
+                     "model": run.model.state_dict(), "world_size": run.setup.world_size}, folder / "model.pt")
+    atomic_save({"ngram_lo": run.table.lo, "ngram_hi": run.table.hi, "ngram_rows": run.table.rows,
+                 "optimizer": {name: e.state for name, e in run.manager.entries.items()},
+                 "optimizer_split": run.manager.split, "ngram_state": run.ngram_opt.state},
+                folder / f"rank{run.setup.rank}.pt")
+    return folder
+
+
+def load_checkpoint(run: Run, folder: Path) -> int:
+    """Model weights and this rank's n-gram rows (from whichever saved shards overlap them)."""
+    model_file = folder / "model.pt"
+    if not model_file.is_file():
+        raise FileNotFoundError(f"--eval-checkpoint {folder}: no model.pt there (expected a folder written by "
+                                f"--save-checkpoint: records/logs/<run_id>/state_stepNNNNNN)")
+    saved = torch.load(model_file, map_location=run.setup.device, weights_only=False)
+    run.model.load_state_dict(saved["model"])
+    for shard_file in sorted(folder.glob("rank*.pt")):
+        shard = torch.load(shard_file, map_location=run.setup.device, weights_only=False)
+        lo, hi = max(shard["ngram_lo"], run.table.lo), min(shard["ngram_hi"], run.table.hi)
+        if lo < hi:
+            run.table.rows[lo - run.table.lo: hi - run.table.lo] = shard["ngram_rows"][lo - shard["ngram_lo"]: hi - shard["ngram_lo"]]
+    run.model.refresh_fp8()
+    return saved["step"]
