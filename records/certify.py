@@ -1,7 +1,16 @@
 """Certify a change: interleaved baseline and candidate runs on one machine, every run counted.
 
-    python -m records.certify --baseline REV --candidate REV --runs N [--nproc P] [--name NAME]
-        [--out DIR] [--resume] [--dry-run] -- TRAIN_GPT_ARGS...
+    python -m records.certify [--baseline REV] [--candidate REV] --runs N [--nproc P] [--name NAME]
+        [--baseline-args ARGS] [--candidate-args ARGS] [--baseline-env NAME=VALUE]...
+        [--candidate-env NAME=VALUE]... [--out DIR] [--resume] [--dry-run] -- TRAIN_GPT_ARGS...
+
+Each side (baseline, candidate) is a revision (default HEAD), train_gpt.py arguments of its own
+(`--candidate-args "--set features.ngram=false"`: split like a shell line, appended after
+TRAIN_GPT_ARGS, so a side's flag wins over a shared one) and environment variables of its own
+(`--candidate-env SPEEDRUN_CUDA_GRAPHS=0`, repeatable, set over certify's environment). So an
+ablation is one command on one revision:
+`python -m records.certify --runs 5 --candidate-args "--set features.ngram=false" -- --data-path D`.
+Two sides that are the same (revision, arguments and environment) are refused: nothing to compare.
 
 Upstream's bar for a record is many independent runs whose mean val loss is below 3.28 at p < 0.01,
 and a time comparison against the baseline on the same machine. Done by hand it goes wrong in known
@@ -9,30 +18,33 @@ ways: same-seed repeats passed off as independent runs, the baseline timed on an
 runs quietly left out. This runs the experiment the way upstream PR #366 did (12 + 12 runs,
 interleaved on one node):
 
-  * one detached `git worktree` per revision, in a temporary folder outside the checkout (removed
+  * one detached `git worktree` per side, in a temporary folder outside the checkout (removed
     at the end, also after an error or Ctrl-C); both read the same shards (`--data-path` made
     absolute against the current folder; a certification without --data-path or DATA_PATH is
     refused, since the preset's default folder is git-ignored and so absent from a worktree);
   * runs interleaved baseline, candidate, baseline, ... (N of each), each
-    `python -m torch.distributed.run --standalone --nproc_per_node=P train_gpt.py TRAIN_GPT_ARGS
-    --label baseline|candidate --records-dir DIR` inside its revision's worktree, so every run
-    lands in DIR/runs.jsonl and DIR/logs/;
-  * unseeded: `--seed` in TRAIN_GPT_ARGS (or TRAIN_SEED in the environment) is refused, because
-    runs from one seed repeat one initialization and are not independent samples;
+    `SIDE_ENV python -m torch.distributed.run --standalone --nproc_per_node=P train_gpt.py
+    TRAIN_GPT_ARGS SIDE_ARGS --label baseline|candidate --records-dir DIR` inside its side's
+    worktree, so every run lands in DIR/runs.jsonl (`label` names its side, `overrides` holds the
+    --set flags it ran with) and DIR/logs/;
+  * unseeded: `--seed` in TRAIN_GPT_ARGS or a side's args (TRAIN_SEED in the environment or a
+    side's) is refused, because runs from one seed repeat one initialization and are not
+    independent samples;
   * every run is kept: a failed run is counted as failed; a run that dies before writing its log
     keeps its console output as its log (DIR/logs/certify-NN-LABEL.txt); each run's console
     output is also kept under DIR/console/;
   * the ledger DIR/certify.json (written atomically) holds the plan (revisions resolved to
-    commits, the order, the arguments) and each run's outcome. Ctrl-C stops after recording the
-    run it interrupted; `--resume` reruns that run (the interrupted attempt stays listed in the
-    write-up, with its log) and continues, and refuses a plan that differs from the ledger's.
+    commits, each side's arguments and environment, the order) and each run's outcome. Ctrl-C
+    stops after recording the run it interrupted; `--resume` reruns that run (the interrupted
+    attempt stays listed in the write-up, with its log) and continues, and refuses a plan that
+    differs from the ledger's.
 
-At the end it writes DIR/statistics.md (revisions, machine, run order, per-group statistics from
-records.report, the verdict against upstream's bar), DIR/runs.tsv (which log is which run),
-DIR/statistics.py (recomputes statistics.md's run table, statistics and verdict from the logs and
-runs.tsv alone: standard library, scipy for the p-values) and DIR/README.md (the skeleton of an
-upstream write-up with the commands to reproduce). `--dry-run` prints every run's command and
-folder and runs nothing.
+At the end it writes DIR/statistics.md (each side's revision, arguments and environment, the
+machine, run order, per-group statistics from records.report, the verdict against upstream's bar),
+DIR/runs.tsv (which log is which run), DIR/statistics.py (recomputes statistics.md's run table,
+statistics and verdict from the logs and runs.tsv alone: standard library, scipy for the p-values)
+and DIR/README.md (the skeleton of an upstream write-up with the commands to reproduce). `--dry-run`
+prints every run's command and folder and runs nothing.
 """
 from __future__ import annotations
 
@@ -125,20 +137,39 @@ def run_process(cmd: list[str], cwd: Path, env: dict, out_path: Path) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# what no side may set in its own environment: the seed (not independent runs), the shards (both sides
+# read the same ones: --data-path once, after `--`)
+SIDE_ENV_FORBIDDEN = ("TRAIN_SEED", "DATA_PATH")
+
+
+def _spells(arg: str, flag: str) -> bool:
+    """Whether `arg` is `flag` (or `flag=VALUE`) to train_gpt.py, whose argparse also takes a flag's
+    abbreviation (--see 1 is --seed 1)."""
+    name = arg.split("=", 1)[0]
+    return name.startswith("--") and len(name) > 2 and flag.startswith(name)
+
+
+def _refuse_certify_flags(args: list[str], where: str) -> None:
+    """Refuses, in TRAIN_GPT_ARGS or a side's args, the flags certify sets itself or forbids."""
+    for arg in args:
+        for flag in ("--label", "--records-dir"):
+            if _spells(arg, flag):
+                raise CertifyError(f"{where} must not hold {arg.split('=', 1)[0]} ({flag}): certify sets it for "
+                                   f"every run (--label baseline|candidate, --records-dir --out DIR)")
+        if _spells(arg, "--seed"):
+            raise CertifyError(f"{where} must not hold {arg.split('=', 1)[0]} (--seed): runs from one seed repeat "
+                               f"one initialization, so they are not independent runs and their p-values mean "
+                               f"nothing; certify runs unseeded, as upstream's record runs are")
+
+
 def check_train_args(train_args: list[str], cwd: Path, env: dict) -> list[str]:
     """TRAIN_GPT_ARGS with --data-path made absolute; refuses what certify sets or forbids."""
+    _refuse_certify_flags(train_args, "TRAIN_GPT_ARGS")
     out, i, data_path = [], 0, None
     while i < len(train_args):
         arg = train_args[i]
-        name = arg.split("=", 1)[0]
-        if name in ("--label", "--records-dir"):
-            raise CertifyError(f"TRAIN_GPT_ARGS must not hold {name}: certify sets it for every run "
-                               f"(--label baseline|candidate, --records-dir --out DIR)")
-        if name == "--seed":
-            raise CertifyError("TRAIN_GPT_ARGS must not hold --seed: runs from one seed repeat one initialization, "
-                               "so they are not independent runs and their p-values mean nothing; certify runs "
-                               "unseeded, as upstream's record runs are")
-        if name == "--data-path":
+        if _spells(arg, "--data-path"):
             if "=" in arg:
                 value = arg.split("=", 1)[1]
             elif i + 1 < len(train_args):
@@ -166,20 +197,64 @@ def check_train_args(train_args: list[str], cwd: Path, env: dict) -> list[str]:
     return out
 
 
+def check_side(label: str, args: list[str], side_env: dict) -> None:
+    """Refuses what a side's own arguments and environment must not set."""
+    _refuse_certify_flags(args, f"--{label}-args")
+    for arg in args:
+        if _spells(arg, "--data-path"):
+            raise CertifyError(f"--{label}-args must not hold {arg.split('=', 1)[0]} (--data-path): both sides "
+                               f"read the same shards; give --data-path once, after `--`")
+    for name in SIDE_ENV_FORBIDDEN:
+        if name in side_env:
+            raise CertifyError(f"--{label}-env {name}=...: a side must not set {name} "
+                               + ("(one seed: the runs would not be independent; certify runs unseeded)"
+                                  if name == "TRAIN_SEED" else
+                                  "(both sides read the same shards: --data-path once, after `--`)"))
+
+
+def side_words(side: dict) -> list[str]:
+    """A side's own environment and arguments, as a shell line has them: NAME=VALUE ... ARGS ..."""
+    return [f"{k}={v}" for k, v in side["env"].items()] + side["args"]
+
+
 def make_plan(repo: Path, baseline: str, candidate: str, runs: int, nproc: int, name: str,
-              train_args: list[str]) -> dict:
-    revs = {"baseline": resolve_revision(repo, baseline, "--baseline"),
-            "candidate": resolve_revision(repo, candidate, "--candidate")}
-    if revs["baseline"]["commit"] == revs["candidate"]["commit"]:
+              train_args: list[str], sides: dict | None = None, env: dict | None = None) -> dict:
+    """sides: label -> {"args": [...], "env": {NAME: VALUE}} (none: the revision alone);
+    env: certify's environment, under each side's (two sides are the same if their runs see the same)."""
+    sides, env = sides or {}, env or {}
+    plan = {"name": name, "repo": str(repo), "runs_per_group": runs, "nproc": nproc, "train_args": train_args}
+    for label in LABELS:
+        own = sides.get(label, {})
+        plan[label] = {**resolve_revision(repo, {"baseline": baseline, "candidate": candidate}[label], f"--{label}"),
+                       "args": list(own.get("args", [])), "env": dict(own.get("env", {}))}
+        check_side(label, plan[label]["args"], plan[label]["env"])
+    b, c = plan["baseline"], plan["candidate"]
+    names = set(b["env"]) | set(c["env"])
+    seen = [{k: side["env"].get(k, env.get(k)) for k in names} for side in (b, c)]  # the values a run sees
+    if b["commit"] == c["commit"] and b["args"] == c["args"] and seen[0] == seen[1]:
+        own = f"; both with {shlex.join(side_words(b))!r}" if side_words(b) else ""
         raise CertifyError(f"--baseline {baseline!r} and --candidate {candidate!r} are the same commit "
-                           f"{revs['baseline']['commit']}: nothing to compare")
-    return {"name": name, "repo": str(repo), "runs_per_group": runs, "nproc": nproc, "train_args": train_args,
-            **revs, "order": [LABELS[i % 2] for i in range(2 * runs)]}
+                           f"{b['commit']}{own}, and the sides differ in no argument or environment variable: "
+                           f"nothing to compare (an ablation: --candidate-args \"--set ...\" or "
+                           f"--candidate-env NAME=VALUE)")
+    plan["order"] = [LABELS[i % 2] for i in range(2 * runs)]
+    return plan
 
 
 def train_command(plan: dict, label: str, out_dir: Path) -> list[str]:
-    return [*launcher_command(plan["nproc"]), "train_gpt.py", *plan["train_args"], "--label", label,
-            "--records-dir", str(out_dir)]
+    """The command of one run of side `label` (its environment: run_env)."""
+    return [*launcher_command(plan["nproc"]), "train_gpt.py", *plan["train_args"], *plan[label]["args"],
+            "--label", label, "--records-dir", str(out_dir)]
+
+
+def run_env(plan: dict, label: str, env: dict) -> dict:
+    """The environment of one run of side `label`: certify's, with the side's variables set over it."""
+    return {**env, **plan[label]["env"]}
+
+
+def shell_line(plan: dict, label: str, out_dir: Path) -> str:
+    """One run of side `label` as a shell line: NAME=VALUE ... python -m torch.distributed.run ..."""
+    return shlex.join([f"{k}={v}" for k, v in plan[label]["env"].items()] + train_command(plan, label, out_dir))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -267,7 +342,7 @@ def run_one(index: int, plan: dict, out_dir: Path, worktree: Path, env: dict) ->
     started = _dt.datetime.now(_dt.timezone.utc)
     interrupted, rc = False, None
     try:
-        rc = run_process(cmd, worktree, env, console)
+        rc = run_process(cmd, worktree, run_env(plan, label, env), console)
     except KeyboardInterrupt:
         interrupted = True
     seconds = (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds()
@@ -387,10 +462,9 @@ def write_outputs(out_dir: Path, ledger: dict) -> str:
     write_order_tsv(out_dir, ledger)
     results = render_results(rows, ledger["interrupted_attempts"], plan["runs_per_group"])
     head = [f"# Certification: {plan['name']}", ""]
-    for label in LABELS:
-        head.append(f"- {label}: `{plan[label]['commit']}` {plan[label]['subject']} (`{plan[label]['rev']}`)")
-    head += [f"- {plan['runs_per_group']} runs per revision, interleaved, `--nproc_per_node={plan['nproc']}`; "
-             f"train_gpt.py arguments: `{shlex.join(plan['train_args'])}`", "", "## Machine", "",
+    head += [side_line(plan, label) for label in LABELS]
+    head += [f"- {plan['runs_per_group']} runs per side, interleaved, `--nproc_per_node={plan['nproc']}`; "
+             f"train_gpt.py arguments of both sides: `{shlex.join(plan['train_args'])}`", "", "## Machine", "",
              *machine_lines(out_dir, rows), ""]
     failures = [r for r in ledger["runs"] + ledger["interrupted_attempts"] if r["status"] != "finished"]
     if failures:
@@ -410,39 +484,62 @@ def write_outputs(out_dir: Path, ledger: dict) -> str:
     return text
 
 
+def side_line(plan: dict, label: str) -> str:
+    """A side as the write-up lists it: revision, and the arguments and environment of its own."""
+    side = plan[label]
+    args = f"`{shlex.join(side['args'])}`" if side["args"] else "none"
+    env = f"`{shlex.join(f'{k}={v}' for k, v in side['env'].items())}`" if side["env"] else "none"
+    return (f"- {label}: `{side['commit']}` {side['subject']} (`{side['rev']}`); its own train_gpt.py "
+            f"arguments: {args}; its own environment: {env}")
+
+
+def certify_command(plan: dict) -> str:
+    """The command that reruns this certification into OUT_DIR (a shell line, continued over lines)."""
+    first = ["python", "-m", "records.certify", "--baseline", plan["baseline"]["commit"],
+             "--candidate", plan["candidate"]["commit"]]
+    sides = []
+    for label in LABELS:
+        if plan[label]["args"]:
+            sides += [f"--{label}-args", shlex.join(plan[label]["args"])]
+        for k, v in plan[label]["env"].items():
+            sides += [f"--{label}-env", f"{k}={v}"]
+    rest = ["--runs", str(plan["runs_per_group"]), "--nproc", str(plan["nproc"]), "--name", plan["name"],
+            "--out", "OUT_DIR", "--", *plan["train_args"]]
+    return " \\\n    ".join(shlex.join(part) for part in (first, sides, rest) if part)
+
+
 def readme_text(plan: dict, out_dir: Path, results: str) -> str:
     verdict_line = results.rstrip().splitlines()[-1]
-    args = shlex.join(plan["train_args"])
+    each_run = "\n".join(f"# {label}\n{shell_line(plan, label, out_dir)}" for label in LABELS)
     return f"""# {plan['name']}
 
 <!-- Upstream record write-up skeleton (records/track_1_short/<date>_<name>/): say what changed and why. -->
 
 {README_PLACEHOLDER}
 
-- candidate: `{plan['candidate']['commit']}` {plan['candidate']['subject']}
-- baseline: `{plan['baseline']['commit']}` {plan['baseline']['subject']}
+{side_line(plan, 'candidate')}
+{side_line(plan, 'baseline')}
 
 ## Result
 
 {verdict_line}
 
-{plan['runs_per_group']} runs of each revision, interleaved on one machine, unseeded; every run counted.
+{plan['runs_per_group']} runs of each side, interleaved on one machine, unseeded; every run counted.
 Run table, per-group statistics and machine: [statistics.md](statistics.md).
 
 ## Reproduce
 
 ```bash
 git clone <this repository> && cd <it>
-# the shards both revisions read (the same folder for both):
+# the shards both sides read (the same folder for both):
 #   {plan['train_args'][plan['train_args'].index('--data-path') + 1]}
-python -m records.certify --baseline {plan['baseline']['commit']} --candidate {plan['candidate']['commit']} \\
-    --runs {plan['runs_per_group']} --nproc {plan['nproc']} --name {shlex.quote(plan['name'])} --out OUT_DIR -- {args}
+{certify_command(plan)}
 ```
 
-Each run was, inside a worktree of its revision:
+Each run was, inside a worktree of its side's revision:
 
 ```bash
-{shlex.join(train_command(plan, 'baseline|candidate', out_dir))}
+{each_run}
 ```
 
 Recompute every number from the logs alone (standard library; scipy for the p-values):
@@ -625,7 +722,7 @@ def render(rows, attempts, per_group, groups, comparison_cells, candidate, time_
         out += ["", "| comparison | Δ time (s) | p time (Welch) | Δ loss | p loss (Welch) |", "|---|---|---|---|---|",
                 "| candidate − baseline | " + " | ".join(comparison_cells) + " |"]
     out += ["", "## Verdict", "",
-            f"The bar (upstream's rules): every run counted ({per_group} per revision, all finished: none "
+            f"The bar (upstream's rules): every run counted ({per_group} per side, all finished: none "
             f"failed, none left out); the candidate's mean val loss below {TARGET} with one-sided "
             f"p < {P_LOSS_BAR}; the candidate faster than the baseline, timed on the same machine, interleaved: "
             f"lower mean train time with two-sided Welch p < {P_TIME_BAR}.", "",
@@ -679,24 +776,71 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         argv, train_args = argv[:cut], argv[cut + 1:]
     else:
         train_args = []
+    # a side's ARGS is the next word whatever it looks like: argparse would read `--candidate-args --no-warmup`
+    # as a flag without its value
+    joined, i = [], 0
+    while i < len(argv):
+        if argv[i] in (f"--{label}-args" for label in LABELS) and i + 1 < len(argv):
+            joined.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            joined.append(argv[i])
+            i += 1
+    argv = joined
     ap = ArgumentParser(prog="python -m records.certify", description=__doc__.split("\n\n")[0],
-                                 usage="python -m records.certify --baseline REV --candidate REV --runs N [options] "
-                                       "-- TRAIN_GPT_ARGS...")
-    ap.add_argument("--baseline", required=True, help="the revision to beat (branch, tag, commit, HEAD~1)")
-    ap.add_argument("--candidate", required=True, help="the revision with the change")
-    ap.add_argument("--runs", type=int, required=True, help="runs per revision (upstream PR #366: 12)")
+                        usage="python -m records.certify [--baseline REV] [--candidate REV] --runs N "
+                              "[--candidate-args ARGS] [--candidate-env NAME=VALUE] [options] -- TRAIN_GPT_ARGS...")
+    ap.add_argument("--baseline", default="HEAD",
+                    help="the revision to beat (branch, tag, commit, HEAD~1; default HEAD)")
+    ap.add_argument("--candidate", default="HEAD", help="the revision with the change (default HEAD)")
+    for label in LABELS:
+        ap.add_argument(f"--{label}-args", default="", metavar="ARGS",
+                        help=f"train_gpt.py arguments of the {label}'s runs only, one string split like a shell "
+                             f"line and appended after TRAIN_GPT_ARGS (\"--set features.ngram=false\")")
+        ap.add_argument(f"--{label}-env", action="append", default=[], metavar="NAME=VALUE",
+                        help=f"an environment variable of the {label}'s runs only, set over certify's own "
+                             f"(SPEEDRUN_CUDA_GRAPHS=0; repeatable)")
+    ap.add_argument("--runs", type=int, required=True, help="runs per side (upstream PR #366: 12)")
     ap.add_argument("--nproc", type=int, default=8, help="processes per run (torchrun --nproc_per_node; default 8)")
-    ap.add_argument("--name", default=None, help="the write-up's name (default: BASELINE-vs-CANDIDATE short hashes)")
+    ap.add_argument("--name", default=None, help="the write-up's name (default: the sides' short hashes, and "
+                                                 "their own arguments and environment)")
     ap.add_argument("--out", type=Path, default=None,
                     help="the certification folder (default: records/track_1_short/<YYYY-MM-DD>_<NAME>)")
     ap.add_argument("--resume", action="store_true", help="continue the certification in --out from its ledger")
     ap.add_argument("--dry-run", action="store_true", help="print every run's command and folder; run nothing")
     args = ap.parse_args(argv)
     if args.runs < 2:
-        ap.error(f"--runs {args.runs}: needs at least 2 runs per revision for a t-test")
+        ap.error(f"--runs {args.runs}: needs at least 2 runs per side for a t-test")
     if args.nproc < 1:
         ap.error(f"--nproc {args.nproc}: needs at least 1 process")
+    args.sides = {}
+    for label in LABELS:
+        text = getattr(args, f"{label}_args")
+        try:
+            words = shlex.split(text)
+        except ValueError as e:
+            ap.error(f"--{label}-args {text!r} does not split like a shell line ({e}); quote it as one string, "
+                     f"e.g. --{label}-args \"--set features.ngram=false\"")
+        env = {}
+        for word in getattr(args, f"{label}_env"):
+            name, eq, value = word.partition("=")
+            if not eq or not ENV_NAME_RE.fullmatch(name):
+                ap.error(f"--{label}-env {word!r}: expected NAME=VALUE, NAME of letters, digits and '_', "
+                         f"not starting with a digit (e.g. SPEEDRUN_CUDA_GRAPHS=0)")
+            if name in env:
+                ap.error(f"--{label}-env sets {name} twice ({name}={env[name]}, {word}): give it once")
+            env[name] = value
+        args.sides[label] = {"args": words, "env": env}
     return args, train_args
+
+
+def default_name(plan: dict) -> str:
+    """BASELINE-vs-CANDIDATE: each side's short hash, then its own environment and arguments, folder-safe."""
+    def tag(side):
+        own = re.sub(r"[^A-Za-z0-9._]+", "-", " ".join(side_words(side))).strip("-._")
+        own = own[:60].rstrip("-._")  # ours: a readable folder name; --name for a longer one
+        return side["commit"][:8] + (f"_{own}" if own else "")
+    return f"{tag(plan['baseline'])}-vs-{tag(plan['candidate'])}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -707,11 +851,13 @@ def main(argv: list[str] | None = None) -> int:
         repo = Path(git(["rev-parse", "--show-toplevel"], cwd))
         env = dict(os.environ)
         train_args = check_train_args(raw_train_args, cwd, env)
-        plan = make_plan(repo, args.baseline, args.candidate, args.runs, args.nproc, args.name or "", train_args)
-        name = plan["name"] = args.name or f"{plan['baseline']['commit'][:8]}-vs-{plan['candidate']['commit'][:8]}"
+        plan = make_plan(repo, args.baseline, args.candidate, args.runs, args.nproc, args.name or "", train_args,
+                         args.sides, env)
+        name = plan["name"] = args.name or default_name(plan)
         if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
             raise CertifyError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
         out_dir = (args.out or repo / "records" / "track_1_short" / f"{_dt.date.today():%Y-%m-%d}_{name}").resolve()
+        warn_uncommitted(repo, plan)
         if args.dry_run:
             return dry_run(plan, out_dir)
         return certify(plan, out_dir, args.resume, env)
@@ -720,16 +866,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def warn_uncommitted(repo: Path, plan: dict) -> None:
+    """A side at HEAD runs HEAD's commit in a worktree: say so when the checkout has uncommitted changes."""
+    head = git(["rev-parse", "HEAD"], repo)
+    at_head = [label for label in LABELS if plan[label]["commit"] == head]
+    if at_head and git(["status", "--porcelain", "--untracked-files=no"], repo):
+        print(f"python -m records.certify: note: the checkout has uncommitted changes; the {' and '.join(at_head)} "
+              f"run{'s' if len(at_head) == 1 else ''} commit {head[:12]} (HEAD) without them: commit them first "
+              f"to certify them", file=sys.stderr)
+
+
 def dry_run(plan: dict, out_dir: Path) -> int:
     print(f"certification {plan['name']} -> {out_dir} (dry run: nothing runs)")
-    print("  $WORKTREES: a new temporary folder holding `git worktree add --detach` of each revision, "
+    print("  $WORKTREES: a new temporary folder holding `git worktree add --detach` of each side's revision, "
           "removed at the end")
     for label in LABELS:
-        print(f"  {label}: {plan[label]['commit']} {plan[label]['subject']} "
-              f"(worktree: $WORKTREES/{label}-{plan[label]['commit'][:12]})")
+        print(f"  {side_line(plan, label)[2:]} (worktree: $WORKTREES/{label}-{plan[label]['commit'][:12]})")
     for i, label in enumerate(plan["order"]):
         print(f"run {i + 1}/{len(plan['order'])} {label}: cd $WORKTREES/{label}-{plan[label]['commit'][:12]} && "
-              f"{shlex.join(train_command(plan, label, out_dir))}")
+              f"{shell_line(plan, label, out_dir)}")
     return 0
 
 

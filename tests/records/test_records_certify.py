@@ -3,12 +3,16 @@
 The fake writes a log in the upstream line format under --records-dir/logs/ and a runs.jsonl line
 shaped like records.runs_log.RunRecord, with a val loss and time that depend on its revision (and
 cycle through mean − s, mean, mean + s, so the statistics are deterministic); one revision crashes
-before writing anything. The launcher is replaced by plain `python` except in the torchrun test.
+before writing anything; another sleeps until Ctrl-C. An ablation's switches reach it: `--set
+features.ngram=false` adds 0.002 to its val loss and SPEEDRUN_CUDA_GRAPHS=0 100 ms to its time, and
+it records its --set flags in runs.jsonl's `overrides` as train_gpt.py does. The launcher is
+replaced by plain `python` except in the torchrun test.
 """
 import ast
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,7 +29,13 @@ MEAN_LOSS, MEAN_MS, CRASH, SLEEP = {loss!r}, {ms!r}, {crash!r}, {sleep!r}
 ap = argparse.ArgumentParser()
 ap.add_argument("--label"); ap.add_argument("--records-dir"); ap.add_argument("--data-path")
 ap.add_argument("--max-steps", type=int, default=3)
+ap.add_argument("--set", action="append", default=[], dest="assignments")
 args, _ = ap.parse_known_args()
+print("fake env SPEEDRUN_CUDA_GRAPHS =", os.environ.get("SPEEDRUN_CUDA_GRAPHS"), flush=True)
+if "features.ngram=false" in args.assignments:
+    MEAN_LOSS += 0.002
+if os.environ.get("SPEEDRUN_CUDA_GRAPHS") == "0":
+    MEAN_MS += 100
 assert os.path.isabs(args.data_path) and os.path.isdir(args.data_path), args.data_path
 if SLEEP:  # until Ctrl-C
     print("fake trainer sleeping", flush=True)
@@ -48,7 +58,7 @@ with open(log, "w") as f:
     f.write(f"step:{{n}}/{{n}} val_loss:{{loss:.4f}} train_time:{{ms}}ms step_avg:{{ms / n:.2f}}ms\n")
 rec = dict(run_id=run_id, started=datetime.datetime.now().isoformat(), config="fake", world_size=1,
            device="fake device", git_commit=commit, git_dirty=False, status="finished", log_path=log,
-           label=args.label, steps=n, train_time_ms=float(ms), val_loss=loss)
+           label=args.label, overrides=args.assignments or None, steps=n, train_time_ms=float(ms), val_loss=loss)
 with open(runs, "a") as f:
     f.write(json.dumps(rec) + "\n")
 print("fake run done", run_id)
@@ -227,6 +237,8 @@ def test_resume_continues_an_interrupted_certification(toy, monkeypatch, capsys,
     (["--data-path", "../shards"], {"TRAIN_SEED": "3"}, "TRAIN_SEED"),
     (["--data-path", "../shards", "--label", "x"], {}, "--label"),
     (["--max-steps", "3"], {"DATA_PATH": ""}, "--data-path"),
+    (["--data-path", "../shards", "--see", "1"], {}, "must not hold --see (--seed)"),  # argparse's abbreviation
+    (["--data-path", "../shards", "--rec=x"], {}, "must not hold --rec (--records-dir)"),
 ])
 def test_refusals(toy, monkeypatch, capsys, tmp_path, train_args, env, needle):
     repo, commits = toy
@@ -283,3 +295,156 @@ def test_ctrl_c_stops_after_recording_the_interrupted_run(toy, tmp_path):
     md = (out / "statistics.md").read_text()
     assert "**INCOMPLETE**" in md and "run 2 (candidate) interrupted" in md
     assert len(_worktrees(repo)) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# an ablation: each side's own train_gpt.py arguments and environment, on one revision
+# ------------------------------------------------------------------------------------------------
+
+ABLATION = ["--candidate-args", "--set features.ngram=false --set 'model.note=two words'",
+            "--candidate-env", "SPEEDRUN_CUDA_GRAPHS=0", "--baseline-env", "SPEEDRUN_COMPILE=0"]
+
+
+def _exit_code(argv):
+    try:
+        return certify.main(argv)
+    except SystemExit as e:  # a command-line refusal (config_check.exit_on_config_error)
+        return e.code
+
+
+def test_ablation_runs_each_side_with_its_own_args_and_env(toy, monkeypatch, capsys, tmp_path, fast_launcher):
+    repo, commits = toy
+    fast, out = commits["fast"], tmp_path / "cert"
+    for name in ("SPEEDRUN_CUDA_GRAPHS", "SPEEDRUN_COMPILE"):
+        monkeypatch.delenv(name, raising=False)
+    real, calls = certify.run_process, []
+
+    def recorded(cmd, cwd, env, out_path):
+        calls.append((cmd, Path(cwd), env))
+        return real(cmd, cwd, env, out_path)
+
+    monkeypatch.setattr(certify, "run_process", recorded)
+    assert _certify(repo, monkeypatch, fast, fast, out, runs=2, extra=ABLATION) == 0
+
+    shards, records = str((repo.parent / "shards").resolve()), str(out.resolve())
+    shared = [sys.executable, "train_gpt.py", "--data-path", shards, "--max-steps", "3"]
+    expected = {"baseline": [*shared, "--label", "baseline", "--records-dir", records],
+                "candidate": [*shared, "--set", "features.ngram=false", "--set", "model.note=two words",
+                              "--label", "candidate", "--records-dir", records]}
+    assert [cmd for cmd, _, _ in calls] == [expected["baseline"], expected["candidate"]] * 2
+    base_env, cand_env = calls[0][2], calls[1][2]
+    assert base_env == {**os.environ, "SPEEDRUN_COMPILE": "0"}
+    assert cand_env == {**os.environ, "SPEEDRUN_CUDA_GRAPHS": "0"}
+    assert [cwd.name for _, cwd, _ in calls[:2]] == [f"baseline-{fast[:12]}", f"candidate-{fast[:12]}"]
+    assert "fake env SPEEDRUN_CUDA_GRAPHS = 0" in (out / "console" / "02-candidate.txt").read_text()
+    assert "fake env SPEEDRUN_CUDA_GRAPHS = None" in (out / "console" / "01-baseline.txt").read_text()
+
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(r["label"], r["git_commit"], r["overrides"]) for r in runs] == \
+        [("baseline", fast, None), ("candidate", fast, ["features.ngram=false", "model.note=two words"])] * 2
+
+    md = (out / "statistics.md").read_text()
+    base_line = (f"- baseline: `{fast}` fake trainer: fast (`{fast}`); its own train_gpt.py arguments: none; "
+                 f"its own environment: `SPEEDRUN_COMPILE=0`")
+    cand_line = (f"- candidate: `{fast}` fake trainer: fast (`{fast}`); its own train_gpt.py arguments: "
+                 f"`--set features.ngram=false --set 'model.note=two words'`; its own environment: "
+                 f"`SPEEDRUN_CUDA_GRAPHS=0`")
+    assert base_line in md.splitlines() and cand_line in md.splitlines()
+    # the switches reached the runs: the fake adds 0.002 to the loss (--set) and 100 ms (SPEEDRUN_CUDA_GRAPHS=0)
+    assert _stats_row(md, "baseline")[5:7] == ["0.895 ± 0.007", "3.27375 ± 0.00035"]
+    assert _stats_row(md, "candidate")[5:7] == ["0.995 ± 0.007", "3.27575 ± 0.00035"]
+    cmp = _stats_row(md, "candidate − baseline")
+    assert (cmp[1], cmp[3]) == ("+0.100", "+0.00200")
+    assert _standalone(out) == _section(md)
+
+    readme = (out / "README.md").read_text()
+    assert base_line in readme.splitlines() and cand_line in readme.splitlines()
+    assert "# candidate\n" + shlex.join(["SPEEDRUN_CUDA_GRAPHS=0", *expected["candidate"]]) + "\n" in readme
+    assert "# baseline\n" + shlex.join(["SPEEDRUN_COMPILE=0", *expected["baseline"]]) + "\n" in readme
+    # the reproduce command names both sides' own args and env: it parses back to this plan
+    line = readme[readme.index("python -m records.certify"):]
+    words = shlex.split(line[:line.index("\n```")].replace("\\\n", " "))
+    args, train_args = certify.parse_args(words[3:])
+    assert (args.baseline, args.candidate, train_args) == (fast, fast, ["--data-path", shards, "--max-steps", "3"])
+    assert args.sides == {"baseline": {"args": [], "env": {"SPEEDRUN_COMPILE": "0"}},
+                          "candidate": {"args": ["--set", "features.ngram=false", "--set", "model.note=two words"],
+                                        "env": {"SPEEDRUN_CUDA_GRAPHS": "0"}}}
+    assert len(_worktrees(repo)) == 1
+
+    # a resume with another side's args is another plan: refused
+    capsys.readouterr()
+    assert _certify(repo, monkeypatch, fast, fast, out, runs=2,
+                    extra=[*ABLATION[:1], "--set features.ngram=true", *ABLATION[2:], "--resume"]) == 2
+    assert "the plan differs" in capsys.readouterr().err
+
+
+def test_ablation_without_revisions_runs_head_on_both_sides(toy, monkeypatch, capsys, tmp_path):
+    repo, commits = toy
+    head, out = commits["slow"], tmp_path / "cert"  # the toy repository's HEAD
+    monkeypatch.chdir(repo)
+    argv = ["--runs", "2", "--nproc", "1", "--candidate-args", "--set features.ngram=false", "--candidate-env",
+            "SPEEDRUN_CUDA_GRAPHS=0", "--out", str(out), "--dry-run", "--", "--data-path", "../shards"]
+    assert certify.main(argv) == 0
+    printed, err = capsys.readouterr()
+    assert "note:" not in err
+    shards = str((repo.parent / "shards").resolve())
+    launcher = f"{shlex.quote(sys.executable)} -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt.py"
+    expected = {
+        "baseline": f"cd $WORKTREES/baseline-{head[:12]} && {launcher} --data-path {shards} --label baseline "
+                    f"--records-dir {out}",
+        "candidate": f"cd $WORKTREES/candidate-{head[:12]} && SPEEDRUN_CUDA_GRAPHS=0 {launcher} --data-path {shards} "
+                     f"--set features.ngram=false --label candidate --records-dir {out}"}
+    lines = printed.splitlines()
+    assert [line for line in lines if line.startswith("run ")] == \
+        [f"run {i + 1}/4 {label}: {expected[label]}" for i, label in enumerate(["baseline", "candidate"] * 2)]
+    name = f"{head[:8]}-vs-{head[:8]}_SPEEDRUN_CUDA_GRAPHS-0-set-features.ngram-false"
+    assert lines[0] == f"certification {name} -> {out} (dry run: nothing runs)"
+    assert any(line.strip().startswith(f"candidate: `{head}` fake trainer: slow (`HEAD`); its own train_gpt.py "
+                                       f"arguments: `--set features.ngram=false`; its own environment: "
+                                       f"`SPEEDRUN_CUDA_GRAPHS=0`") for line in lines)
+    assert not out.exists()
+
+    trainer = repo / "train_gpt.py"  # an uncommitted edit is not what the runs run: said, not refused
+    text = trainer.read_text()
+    trainer.write_text(text + "# an uncommitted edit\n")
+    try:
+        assert certify.main(argv) == 0
+    finally:
+        trainer.write_text(text)
+    assert f"note: the checkout has uncommitted changes; the baseline and candidate run commit {head[:12]} (HEAD)" \
+        in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sides, env, needle", [
+    ([], {}, "nothing to compare"),  # both HEAD, nothing of their own
+    (["--baseline-args", "--set a.b=1", "--candidate-args", "--set a.b=1"], {}, "nothing to compare"),
+    (["--candidate-env", "SPEEDRUN_COMPILE=0"], {"SPEEDRUN_COMPILE": "0"}, "nothing to compare"),  # already so
+    (["--candidate-args", "--set 'features.ngram=false"], {},
+     "does not split like a shell line (No closing quotation)"),
+    (["--candidate-env", "SPEEDRUN_CUDA_GRAPHS"], {}, "--candidate-env 'SPEEDRUN_CUDA_GRAPHS': expected NAME=VALUE"),
+    (["--baseline-env", "1X=0"], {}, "--baseline-env '1X=0': expected NAME=VALUE"),
+    (["--candidate-env", "A=1", "--candidate-env", "A=2"], {}, "--candidate-env sets A twice"),
+    (["--candidate-args", "--seed 1"], {}, "--candidate-args must not hold --seed (--seed)"),
+    (["--candidate-args", "--see=1"], {}, "--candidate-args must not hold --see (--seed)"),
+    (["--baseline-args", "--data-path /tmp"], {}, "--baseline-args must not hold --data-path (--data-path)"),
+    (["--candidate-args", "--label x"], {}, "--candidate-args must not hold --label (--label)"),
+    (["--candidate-env", "TRAIN_SEED=1"], {}, "--candidate-env TRAIN_SEED=...: a side must not set TRAIN_SEED"),
+    (["--baseline-env", "DATA_PATH=/tmp"], {}, "a side must not set DATA_PATH"),
+])
+def test_side_refusals(toy, monkeypatch, capsys, tmp_path, sides, env, needle):
+    repo, _ = toy
+    monkeypatch.chdir(repo)
+    monkeypatch.delenv("SPEEDRUN_COMPILE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc = _exit_code(["--runs", "2", "--out", str(tmp_path / "cert"), *sides, "--", "--data-path", "../shards"])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err, err
+    assert err.count("\n") == 1 and err.startswith("python -m records.certify: error: ")  # one line
+    assert not (tmp_path / "cert").exists()
+
+
+def test_a_sides_args_are_the_next_word_whatever_it_looks_like():
+    args, _ = certify.parse_args(["--runs", "2", "--candidate-args", "--no-warmup", "--baseline-args", "--val-every=0"])
+    assert args.sides == {"baseline": {"args": ["--val-every=0"], "env": {}},
+                          "candidate": {"args": ["--no-warmup"], "env": {}}}
