@@ -41,9 +41,27 @@ Bitwise: the CPU twin replays the very ops eager runs, so its check demands equa
 kernels that accumulate with atomics (embedding backward, split reductions) may differ in the
 last bits between two runs, so the check allows `CUDA_TOLERANCE` of the tensor's largest
 magnitude and reports how many tensors matched bit for bit.
+
+What the check costs a rank, and its bound (`python -m perf.memory --config record` prints it per
+key, computed on "meta" by perf/cuda_graphs/cost.py):
+
+* it looks only at state a region can write: `written_outside_regions` names what only code
+  outside every region writes (the n-gram table shard, 15.1 GiB per rank on the record, its row
+  optimizer, the step weights, the static inputs' data) and the check neither fingerprints nor
+  copies it. A guard keeps that honest at no device cost: the excluded tensors' version counters
+  and storages are read around every eager call while capturing, and a region that wrote one stops
+  the run (`ExcludedStateWritten`);
+* a key's warm-up fingerprints the rest twice (device reads; int64 temporaries of at most
+  2 x 8 x FINGERPRINT_CHUNK bytes at a time);
+* its capture copies the written state to host twice (the start, the graphed result) and the
+  outputs once, into one `HostStaging` pool reused by every capture: pinned blocks of
+  STAGING_BLOCK bytes on CUDA, plain host blocks on CPU, grown to the largest key's need and
+  released at `freeze()`. Host bytes per rank <= 2 x the largest key's written state + its
+  outputs, rounded up to a block.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -61,6 +79,26 @@ from perf.cuda_graphs.contract import storage_ptr as _storage_ptr
 # reordered sums); a stale address or a skipped Python side effect differs at O(1).
 CUDA_TOLERANCE = 1e-2
 FINGERPRINT_CHUNK = 1 << 26  # elements per chunk of a state fingerprint (bounds its int64 temporaries)
+# ours: the check's host pool grows by blocks of 256 MiB. A power of two: the pinned allocator
+# rounds every request up to one, so a block wastes nothing, and the pool exceeds the largest
+# key's need by less than one block.
+STAGING_BLOCK = 1 << 28
+STAGING_ALIGN = 64  # ours: each copy starts on a 64-byte boundary (a multiple of every element size)
+
+
+def written_outside_regions(name: str) -> bool:
+    """Whether only code outside every region writes the state of this contract.run_state name,
+    so the capture check leaves it out (a region writing it is caught: `ExcludedStateWritten`):
+
+    * ngram_table.rows, ngram_optimizer.state.*: the table event (`NgramRowOptimizer.step`, after
+      the optimizer region) and the reset; the row pulls only read the table;
+    * step_weights[...]: `StepWeights.load`, at the step's top;
+    * static_input[...]: `Run.upload`'s copies and the pull's `finish(out=rows)`, before
+      forward_backward, which only reads them. Their `.grad` (the n-gram sink leaf's) is the
+      backward's: checked."""
+    if name.endswith(".grad"):
+        return False
+    return name.startswith(("ngram_table.", "ngram_optimizer.", "step_weights[", "static_input["))
 
 
 def _flat_tensors(outputs) -> list[Tensor]:
@@ -266,6 +304,117 @@ def _unique_storages(named: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]
     return out
 
 
+class ExcludedStateWritten(RuntimeError):
+    """A region wrote state the capture check leaves out (`written_outside_regions`)."""
+
+
+def _excluded_marks(named: list[tuple[str, Tensor]]) -> dict[str, tuple]:
+    """Per excluded tensor: (storage address, shape, version counter). Any aten write (in place,
+    out=, through a view, all_gather_into_tensor, the table event's index_copy_) bumps the version;
+    what does not (writes through `.data`, a c10d all_reduce or all_to_all, a raw Triton launch)
+    cannot happen to this state on the regions' code paths, which `perf/cuda_graphs/cost.py` checks
+    structurally on "meta" (tests/perf/test_perf_capture_bytes.py)."""
+    return {name: (_storage_ptr(t), tuple(t.shape), t._version) for name, t in named}
+
+
+def _differing_marks(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
+    return [name for name in before.keys() | after.keys() if before.get(name) != after.get(name)]
+
+
+@dataclass
+class HostCopy:
+    """A tensor's bytes in a `HostStaging` pool: (block, start, end) byte ranges, in order."""
+    shape: tuple
+    dtype: torch.dtype
+    pieces: list
+
+
+class HostStaging:
+    """Host memory for the capture check's copies, one pool reused by every capture: blocks of
+    `block` bytes (pinned on CUDA), added when a key needs more than the pool holds and kept until
+    `release()`, so the pool ends at the largest key's need rounded up to a block. `clear()` before
+    each capture; `save` copies a tensor in (device to host), `restore` copies it back and `pieces`
+    reads it back one block's worth at a time (host to device), so no device temporary exceeds a
+    block."""
+
+    def __init__(self, pin: bool, block: int = STAGING_BLOCK):
+        if block <= 0 or block % STAGING_ALIGN:
+            raise ValueError(f"HostStaging: block {block} bytes must be a positive multiple of {STAGING_ALIGN}")
+        self.pin, self.block = pin, block
+        self.blocks: list[Tensor] = []
+        self.used = 0   # bytes handed out since the last clear()
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blocks) * self.block
+
+    def clear(self) -> None:
+        self.used = 0
+
+    def release(self) -> None:
+        self.blocks.clear()
+        self.used = 0
+
+    @staticmethod
+    def _flat_bytes(t: Tensor) -> Tensor:
+        return t.detach().reshape(-1).view(torch.uint8)   # (numel * element size,)
+
+    def _ranges(self, start: int, n: int):
+        """(block, offset, offset in the tensor, length) of the n bytes from pool position start."""
+        done = 0
+        while done < n:
+            b, off = divmod(start + done, self.block)
+            take = min(n - done, self.block - off)
+            yield b, off, done, take
+            done += take
+
+    def save(self, t: Tensor) -> HostCopy:
+        src = t if t.is_contiguous() else t.contiguous()   # (the run's state is contiguous: no temporary)
+        flat = self._flat_bytes(src)
+        start = -(-self.used // STAGING_ALIGN) * STAGING_ALIGN
+        self.used = start + flat.numel()
+        while self.nbytes < self.used:
+            self.blocks.append(torch.empty(self.block, dtype=torch.uint8, pin_memory=self.pin))
+        pieces = []
+        for b, off, lo, take in self._ranges(start, flat.numel()):
+            self.blocks[b][off: off + take].copy_(flat[lo: lo + take])
+            pieces.append((b, off, off + take))
+        return HostCopy(tuple(t.shape), t.dtype, pieces)
+
+    def pieces(self, copy: HostCopy):
+        """(offset in the tensor's bytes, the host bytes) per piece of `copy`."""
+        lo = 0
+        for b, start, end in copy.pieces:
+            yield lo, self.blocks[b][start:end]
+            lo += end - start
+
+    def restore(self, copy: HostCopy, t: Tensor) -> None:
+        """t (its shape and dtype) rewritten from `copy`."""
+        contiguous = t.is_contiguous()
+        dst = t.detach() if contiguous else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        flat = self._flat_bytes(dst)
+        for lo, host in self.pieces(copy):
+            flat[lo: lo + host.numel()].copy_(host)
+        if not contiguous:
+            t.detach().copy_(dst)
+
+    def compare(self, copy: HostCopy, t: Tensor) -> tuple[bool, float, float]:
+        """(bit for bit equal, max |copy - t|, max |t|) of t against `copy`, one piece on t's
+        device at a time (the magnitudes only when the bits differ; a NaN gives a NaN difference)."""
+        src = t.detach() if t.is_contiguous() else t.contiguous()
+        flat, size = self._flat_bytes(src), t.element_size()
+        if all(torch.equal(flat[lo: lo + host.numel()], host.to(t.device)) for lo, host in self.pieces(copy)):
+            return True, 0.0, 0.0
+        values = src.reshape(-1)
+        diffs, scales = [], []
+        for lo, host in self.pieces(copy):  # whole elements: blocks and starts are 64-byte aligned
+            e = values[lo // size: (lo + host.numel()) // size].double()
+            diffs.append((e - host.to(t.device).view(t.dtype).double()).abs().max().item())
+            scales.append(e.abs().max().item())
+        diff = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
+        return False, diff, max(scales)
+
+
 @dataclass
 class Captured:
     graph: object
@@ -291,7 +440,8 @@ class RegionGraphs:
     that outlives a region (contract.run_state), for the capture check; tolerance: allowed
     |graphed - eager| / max|eager| per tensor (0: bitwise); strict: a key first met after
     `freeze()` stops the run instead of running eagerly; warm_stream: the side stream of the
-    eager warm-up call (CUDA)."""
+    eager warm-up call (CUDA); outside_regions: state name -> left out of the check (guarded, see
+    `written_outside_regions`); pin_staging, staging_block: the check's host pool (`HostStaging`)."""
     make_graph: Callable[[], object]
     named_state: Callable[[], list]
     tolerance: float = 0.0
@@ -304,6 +454,11 @@ class RegionGraphs:
     reports: list = field(default_factory=list)       # CheckReport per capture
     eager_calls: dict = field(default_factory=dict)   # (region, key) -> calls run eagerly after freeze
     compiles_in_capture: dict = field(default_factory=dict)  # (region, key) -> graphs dynamo compiled while capturing
+    outside_regions: Callable[[str], bool] = field(default=written_outside_regions)
+    pin_staging: bool = False
+    staging_block: int = STAGING_BLOCK
+    staging: HostStaging | None = None   # the check's host pool, from the first capture to freeze()
+    staging_peak: int = 0                # its largest size, bytes (the summary line reports it)
 
     @classmethod
     def for_device(cls, device: torch.device, named_state, strict: bool = False) -> "RegionGraphs":
@@ -311,12 +466,21 @@ class RegionGraphs:
         if device.type == "cuda":
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
             return cls(lambda: CudaGraph(pool, stream), named_state, tolerance=CUDA_TOLERANCE,
-                       strict=strict, warm_stream=torch.cuda.Stream(device))
+                       strict=strict, warm_stream=torch.cuda.Stream(device), pin_staging=True)
         return cls(TapeGraph, named_state, tolerance=0.0, strict=strict)
 
     def freeze(self) -> None:
-        """The warmup is over: no capture from here on."""
+        """The warmup is over: no capture from here on (the check's host pool goes)."""
         self.capturing = False
+        self._drop_staging()
+
+    def _drop_staging(self) -> None:
+        if self.staging is None:
+            return
+        self.staging.release()
+        self.staging = None
+        if self.pin_staging and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()   # the pinned blocks back to the system, not kept in torch's cache
 
     def release(self) -> None:
         """Drops every graph and what it recorded; call it before destroy_process_group. A graph
@@ -326,6 +490,7 @@ class RegionGraphs:
             captured.graph.release()
         self.graphs.clear()
         self.capturing = False
+        self._drop_staging()
 
     def pending(self) -> list[tuple[str, object]]:
         """Keys warmed once but not yet captured (they need a second call while capturing)."""
@@ -352,11 +517,34 @@ class RegionGraphs:
         return fn()
 
     # --- capture and check ------------------------------------------------------------------------
+    def _split(self, named: list) -> tuple[list, list]:
+        """(the state the check looks at, the state it leaves out: `outside_regions`), unique views.
+        An excluded name whose storage a checked one shares stays checked."""
+        unique = _unique_storages(named)
+        checked = [(n, t) for n, t in unique if not self.outside_regions(n)]
+        shared = {_storage_ptr(t) for _, t in checked} - {0}
+        excluded = [(n, t) for n, t in unique if self.outside_regions(n) and _storage_ptr(t) not in shared]
+        checked += [(n, t) for n, t in unique if self.outside_regions(n) and _storage_ptr(t) in shared]
+        return checked, excluded
+
+    def _guard(self, region: str, key, marks: dict) -> None:
+        """Stop the run if the region wrote (or replaced) state the check leaves out."""
+        wrote = _differing_marks(marks, _excluded_marks(self._split(self.named_state())[1]))
+        if wrote:
+            raise ExcludedStateWritten(
+                f"CUDA graphs: region {region!r} key {key!r} wrote {', '.join(sorted(wrote))} (its version counter "
+                f"or storage changed), state the capture check leaves out because only code outside the regions "
+                f"writes it (perf/cuda_graphs/capture.py written_outside_regions): the check would neither restore "
+                f"nor compare it. Move the write out of the region, or take the name out of written_outside_regions "
+                f"(python -m perf.memory then prices its copies).")
+
     def _warm_up(self, slot, fn: Callable):
         """The key's first call, eager (on the side stream on CUDA, as capture needs); notes the
-        state it writes."""
-        named = _unique_storages(self.named_state())
+        state it writes (fingerprints of the checked state before and after; the excluded state's
+        marks, `_guard`)."""
+        named, excluded = self._split(self.named_state())
         before = state_fingerprints(named)
+        marks = _excluded_marks(excluded)
         if self.warm_stream is None:
             out = fn()
         else:
@@ -365,19 +553,26 @@ class RegionGraphs:
             with torch.cuda.stream(side):
                 out = fn()
             main.wait_stream(side)
+        self._guard(*slot, marks)
         after = state_fingerprints(named)
-        born = {n for n, _ in _unique_storages(self.named_state())} - {n for n, _ in named}  # first .grads
+        born = {n for n, _ in self._split(self.named_state())[0]} - {n for n, _ in named}  # first .grads
         self.warmed[slot] = born | {n for n, _ in named if n in before and not torch.equal(before[n], after[n])}
         return out
 
     def _capture(self, region: str, key, fn: Callable):
         names = self.warmed[(region, key)]
-        written = [(n, t) for n, t in _unique_storages(self.named_state()) if n in names]
-        start = [(n, t.detach().to("cpu", copy=True)) for n, t in written]
+        checked, excluded = self._split(self.named_state())
+        written = [(n, t) for n, t in checked if n in names]
+        marks = _excluded_marks(excluded)
+        if self.staging is None:
+            self.staging = HostStaging(self.pin_staging, self.staging_block)
+        staging = self.staging
+        staging.clear()                                    # the pool is reused: this capture's copies from its start
+        start = [staging.save(t) for _, t in written]
 
         def restore():
-            for (_, t), (_, saved) in zip(written, start):
-                t.detach().copy_(saved)
+            for (_, t), saved in zip(written, start):
+                staging.restore(saved, t)
 
         graph = self.make_graph()
         graphs_before = _compiled_graphs()  # the warm-up call compiled the key's graph: nothing may compile now
@@ -393,30 +588,34 @@ class RegionGraphs:
                     f"(TORCH_LOGS=recompiles names the guard). A record run does not capture a compile.")
         restore()
         graph.replay()
-        graphed = [(n, t.detach().to("cpu", copy=True)) for n, t in written]
-        graphed_out = [t.detach().to("cpu", copy=True) for t in _flat_tensors(outputs)]
+        graphed = [staging.save(t) for _, t in written]
+        graphed_out = [staging.save(t) for t in _flat_tensors(outputs)]
+        self.staging_peak = max(self.staging_peak, staging.nbytes)
         restore()
         eager_out = fn()
+        self._guard(region, key, marks)
         self._check(region, key, written, graphed, _flat_tensors(eager_out), graphed_out)
         self.graphs[(region, key)] = Captured(graph, outputs)
         return eager_out
 
     def _check(self, region, key, written, graphed, eager_out, graphed_out) -> None:
-        pairs = [(name, t.detach(), g) for (name, t), (_, g) in zip(written, graphed)]
+        """Each written tensor and output after the eager call against its graphed host copy."""
+        pairs = [(name, t.detach(), g) for (name, t), g in zip(written, graphed)]
         pairs += [(f"output {i}", t.detach(), g) for i, (t, g) in enumerate(zip(eager_out, graphed_out))]
         bitwise, worst, worst_name, bad = 0, 0.0, "", []
         for name, eager, g in pairs:
-            g = g.to(eager.device)
-            if torch.equal(eager.reshape(-1).view(torch.uint8), g.reshape(-1).view(torch.uint8)):
+            what = f"{name} {list(eager.shape)} {str(eager.dtype).removeprefix('torch.')}"
+            if (tuple(eager.shape), eager.dtype) != (g.shape, g.dtype):
+                bad.append(f"{what}: graphed {list(g.shape)} {str(g.dtype).removeprefix('torch.')}")
+                worst, worst_name = float("inf"), name
+                continue
+            same, diff, scale = self.staging.compare(g, eager)
+            if same:
                 bitwise += 1
                 continue
-            e64, g64 = eager.double(), g.double()
-            scale = e64.abs().max().item() if eager.numel() else 0.0
-            diff = (e64 - g64).abs().max().item()
             rel = diff / scale if scale > 0 else float("inf")
             if not rel <= self.tolerance:   # NaN fails too
-                bad.append(f"{name} {list(eager.shape)} {str(eager.dtype).removeprefix('torch.')}: "
-                           f"max |graphed - eager| {diff:.3e} (max |eager| {scale:.3e})")
+                bad.append(f"{what}: max |graphed - eager| {diff:.3e} (max |eager| {scale:.3e})")
             if not rel <= worst:
                 worst, worst_name = rel, name
         report = CheckReport(region, key, len(pairs), bitwise, worst, worst_name)
@@ -452,6 +651,9 @@ class RegionGraphs:
             text += f", worst {worst.worst:.2e} relative ({worst.region} {worst.key!r} {worst.worst_name})"
         replays = sum(c.replays for c in self.graphs.values())
         text += f"; replays {replays}"
+        if self.staging_peak:
+            text += (f"; check host pool {self.staging_peak / 2 ** 30:.2f} GiB"
+                     + (" pinned" if self.pin_staging else ""))
         if self.eager_keys:
             text += "; eager by plan (met once per run): " + ", ".join(f"{r} {k!r}" for r, k in sorted(
                 self.eager_keys, key=repr))

@@ -169,9 +169,24 @@ def test_smoke_steps_graphed_bitwise_like_eager(monkeypatch):
     # full-vocabulary loss and the masked SDPA at the final windows). (CI time: 88 s → 46 s)
     smoke = RUN_PRESETS["smoke"]
     monkeypatch.setitem(RUN_PRESETS, "smoke", dataclasses.replace(smoke, val_batch_tokens=1024, val_tokens=1024))
+    runs = []   # the graphed run's RegionGraphs, for the byte count below
+    train_steps = capture.train_steps
+    monkeypatch.setattr(capture, "train_steps", lambda *a, **k: runs.append(train_steps(*a, **k)) or runs[-1])
     text, code = capture.graphed_vs_eager("smoke", 6)
     assert code == 0 and "PASS" in text, text
     assert "forward_backward 1, fp8_refresh 1, optimizer 2" in text and "bitwise; replays 32" in text, text
+
+    # perf/cuda_graphs/cost.py's count on "meta" knows what each region writes: the same keys, and
+    # every tensor the twin's warm-up saw change among the ones it counts (it may count more: a write
+    # that keeps the bits, zeroing a zero gradient, changes no fingerprint)
+    from perf.cuda_graphs.cost import capture_check_cost
+    from perf.memory import build_rank_on_meta
+    graphs = runs[-1][2]
+    cost = {(k.region, k.key): set(k.written) for k in capture_check_cost(build_rank_on_meta(RUN_PRESETS["smoke"], 1),
+                                                                          horizon=6).keys}
+    assert set(cost) == set(graphs.warmed) == set(graphs.graphs), (set(cost), set(graphs.warmed))
+    assert {slot: names - cost[slot] for slot, names in graphs.warmed.items() if names - cost[slot]} == {}
+    assert sum(len(names) for names in graphs.warmed.values()) >= 100   # the check compared real state
 
 
 def test_graphed_vs_eager_reports_a_difference(monkeypatch):
