@@ -1,21 +1,26 @@
 """The output head and losses of record #360: softcapped cross-entropy with multi-token prediction,
 the prefix-token auxiliary term, the sampled (candidate-set) softmax, and the validation loss.
 
-Softcap: z = 23·σ((ℓ + 5)/7.5). Training loss of token t (record #360 modules §5.2), summed over
-the rank's tokens (not averaged):
+The training loss is defined here, in plain torch (`softcap`, `candidate_positions`,
+`softcapped_ce`). Softcap: z = 23·σ((ℓ + 5)/7.5). Training loss of token t (record #360 modules
+§5.2), summed over the rank's tokens (not averaged):
     L_t = Σ_k [t+k < T]·w_k·(lse_t − z_t[y_{t+k}]) + [p_t ≥ 0]·w_p·(lse_t − z_t[p_t])
-with the MTP weights w_k, p_t = prefix_table[y_t] and lse over the full vocabulary or over the
-step's candidate set C. MTP targets are the following rows' next-token targets, with no masking at
-document ends. In training the logits come from the fp8 lm_head (perf/fp8.py); validation uses
-bf16 logits and a softcap in bf16, then a plain fp32 cross-entropy averaged over tokens.
+with the MTP weights w_k, p_t = prefix_table[y_t] and lse_t = ln Σ_c exp z_tc over the full
+vocabulary or over the step's candidate set C. MTP targets are the following rows' next-token
+targets, with no masking at document ends. In training the logits come from the fp8 lm_head
+(perf/fp8.py); validation uses bf16 logits and a softcap in bf16, then a plain fp32 cross-entropy
+averaged over tokens.
 
-With fp8 (the record), `fp8_lm_head_loss` (perf/fp8.py) is the GEMM and the loss in one autograd
-node: e4m3 logits go straight into the softcapped CE, which keeps only them (1 byte per element)
-and lse for the backward and writes the logit gradient in e5m2. Without fp8, the loss sum and its
-logit gradient are `softcapped_loss_sum` on fp32 logits. Both CEs (perf/kernels/cross_entropy.py:
-the fused kernels on the fast path, their portable twins elsewhere) compute σ and z in fp32 with the
-exact gradient of L (the record's kernel caches σ in fp16 and sums all MTP weights into its softmax
-term even on the last K−1 rows, a quirk on <= 2 rows per rank that ours leaves out).
+perf/ implements this math for training (a kernel imports no model file, so the kernel module
+restates it; tests/kernels/test_kernels_cross_entropy.py and tests/model/test_model_loss.py hold
+it to `softcapped_ce`). With fp8 (the record), `fp8_lm_head_loss` (perf/fp8.py) is the GEMM and the
+CE in one autograd node: e4m3 logits go straight into the softcapped CE, which keeps only them
+(1 byte per element) and lse for the backward and writes the logit gradient in e5m2. Without fp8,
+`softcapped_loss_lse` runs on fp32 logits. Both return (Σ_t L_t, lse [T]) with lse differentiable,
+so a term in lse is one line in `training_loss`, no kernel edit (README "Adding a loss term"). Both
+CEs (the fused kernels on the fast path, their portable twins elsewhere) compute σ and z in fp32
+with the exact gradient (the record's kernel caches σ in fp16 and sums all MTP weights into its
+softmax term even on the last K−1 rows, a quirk on <= 2 rows per rank that ours leaves out).
 """
 from __future__ import annotations
 
@@ -26,8 +31,9 @@ from torch import Tensor, nn
 from model.canonical_mask import apply_canonical_mask
 from perf.backend import host_checks
 from perf.fp8 import fp8_lm_head_loss
-from perf.kernels.cross_entropy import SOFTCAP_A, SOFTCAP_B, SOFTCAP_C, softcapped_loss_sum  # noqa: F401
+from perf.kernels.cross_entropy import softcapped_loss_lse
 
+SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5  # record #360: z = 23·σ((ℓ + 5)/7.5)
 LM_HEAD_INIT_STD = 0.005  # record #360
 SAMPLED_SWEEP_STRIDE = 20011  # record #360: negatives follow k ↦ 20011·k mod V (coprime to 50304)
 EVAL_CE_SLAB_ROWS = 32768  # record #360: validation CE slab
@@ -46,7 +52,50 @@ class TransposedLinear(nn.Module):
 
 
 def softcap(logits: Tensor) -> Tensor:
+    """z = 23·σ((ℓ + 5)/7.5) in the logits' dtype: every z lies in (0, 23)."""
     return SOFTCAP_A * torch.sigmoid((logits + SOFTCAP_B) / SOFTCAP_C)
+
+
+def candidate_positions(candidates: Tensor, vocab_size: int, targets: Tensor,
+                        prefix_targets: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """The sampled softmax's relabelling: class ids → positions in the sorted candidate set C
+    (int64 [P]), the column of lm_head[:, C] that holds them. A target outside C maps to −1;
+    a prefix class outside C (or none, −1) maps to −1, which drops its term."""
+    position = torch.full((vocab_size + 1,), -1, dtype=torch.long, device=candidates.device)  # entry V: "none"
+    position[candidates] = torch.arange(candidates.numel(), device=candidates.device)
+    if prefix_targets is not None:
+        prefix_targets = position[torch.where(prefix_targets >= 0, prefix_targets, vocab_size)]
+    return position[targets], prefix_targets
+
+
+def softcapped_ce(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
+                  prefix_weight) -> tuple[Tensor, Tensor]:
+    """The training CE of record #360, the definition the fused CEs implement: (Σ_t L_t 0-D, lse [T]),
+    in fp32 (or wider, if the logits are) with ordinary autograd.
+
+    logits [T, N]; targets [T] and prefix_targets [T] (or None) are class positions in [0, N), others
+    skipped; mtp_weights the w_k (floats or 0-D tensors), prefix_weight w_p.
+
+    lse_t = ln Σ_{c<N} exp z_tc is over the N columns given: the full vocabulary, or under the
+    sampled softmax the step's candidate set C (N = P), not the vocabulary. So an lse-based term
+    sees lse over C: it is ln of the partition function restricted to this step's targets and
+    sampled negatives, below the full-vocabulary lse, and its gradient reaches only the logits of C
+    (classes outside C get none that step); its size follows P, which changes with the schedule.
+    lse_t exists for every row, also for rows whose terms are all skipped.
+    """
+    z = softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)))  # (T, N)
+    lse = torch.logsumexp(z, dim=-1)  # (T,)
+    N = z.shape[1]
+    terms = [(targets[k:], w) for k, w in enumerate(mtp_weights)]  # row t predicts y_{t+k}, t < T − k
+    if prefix_targets is not None:
+        terms.append((prefix_targets, prefix_weight))
+    total = z.new_zeros(())
+    for classes, w in terms:
+        n = classes.numel()
+        present = (classes >= 0) & (classes < N)
+        picked = z[:n].gather(1, classes.clamp(0, N - 1)[:, None]).squeeze(1)  # (n,) z_t[class]
+        total = total + (w * torch.where(present, lse[:n] - picked, 0.0)).sum()
+    return total, lse
 
 
 def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
@@ -57,21 +106,22 @@ def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, pr
     used when prefix_targets is given. candidates: the step's sorted class ids C (int64 [P]) for the
     sampled softmax, or None for the full softmax. Every target must be in C (CandidateSampler
     builds C from the host batch's targets so that it is; a debug check verifies it where host
-    checks run); a prefix class outside C drops that prefix term.
+    checks run); a prefix class outside C drops that prefix term. The value is `softcapped_ce` of
+    x @ lm_head_w[:, C] (fp8-rounded operands and logits with fp8), summed over the rank's rows.
     """
-    V = lm_head_w.shape[1]
     if candidates is not None:
-        position = torch.full((V + 1,), -1, dtype=torch.long, device=x.device)  # entry V: "no prefix"
-        position[candidates] = torch.arange(candidates.numel(), device=x.device)
-        targets = position[targets]
+        targets, prefix_targets = candidate_positions(candidates, lm_head_w.shape[1], targets, prefix_targets)
         if host_checks() and bool((targets < 0).any()):
             raise ValueError("training_loss: every target must be in the candidate set")
-        if prefix_targets is not None:
-            prefix_targets = position[torch.where(prefix_targets >= 0, prefix_targets, V)]
     if fp8:  # e4m3 logits straight into the CE, one autograd node (perf/fp8.py)
-        return fp8_lm_head_loss(x, lm_head_w, targets, mtp_weights, prefix_targets, prefix_weight, candidates)
-    w = lm_head_w if candidates is None else lm_head_w[:, candidates]
-    return softcapped_loss_sum((x @ w).float(), targets, mtp_weights, prefix_targets, prefix_weight)
+        loss, lse = fp8_lm_head_loss(x, lm_head_w, targets, mtp_weights, prefix_targets, prefix_weight, candidates)
+    else:
+        w = lm_head_w if candidates is None else lm_head_w[:, candidates]
+        loss, lse = softcapped_loss_lse((x @ w).float(), targets, mtp_weights, prefix_targets, prefix_weight)
+    # lse [T] (over C under the sampled softmax) is differentiable on both paths, so a term in it is
+    # one line here, e.g. a z-loss `loss = loss + 1e-4 * lse.square().sum()` (README "Adding a loss
+    # term"); the record has none
+    return loss
 
 
 def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, inputs: Tensor | None = None,

@@ -121,19 +121,22 @@ def lm_head_logits_e4m3(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor) -> Ten
 
 class Fp8LMHeadLossFunction(torch.autograd.Function):
     """The summed softcapped training loss of x [T, D] through the fp8 lm_head W[:, cols] (cols None =
-    every column), record #360's full-stack fp8 tail (modules §5.2-5.3) as one autograd node.
+    every column) and the rows' lse [T], record #360's full-stack fp8 tail (modules §5.2-5.3) as one
+    autograd node with two differentiable outputs.
 
     Forward: e4m3 x and W, logits written as e4m3 bytes (1 per element, `lm_head_logits_e4m3`), the
     CE reads them (perf/kernels/cross_entropy.py). Saved for the backward: x8, W8, the e4m3 logits
     and lse [T]; nothing wider than a byte at [T, N].
     Backward (the logit rounding passes the gradient straight through): the CE recomputes σ from the
-    e4m3 logits and writes the logit gradient as e5m2 with grad_s; dx and dW without fast
+    e4m3 logits and writes the logit gradient of grad_out·Σ L + Σ grad_lse·lse as e5m2 with grad_s
+    (grad_lse None when nothing used lse: the lse-free launch); dx and dW without fast
     accumulation; dW is dense [D, V] with zeros outside `cols`.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, cols: Tensor | None, targets: Tensor, prefix_targets: Tensor | None,
-                weights: Tensor, num_mtp: int) -> Tensor:
+                weights: Tensor, num_mtp: int) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)  # an unused lse arrives as None
         x_s = _scale(LM_HEAD_X_SCALE, x.device)
         w_s = _scale(LM_HEAD_W_SCALE, x.device)
         x8 = quantize(x, x_s, E4M3)  # (T, D)
@@ -144,16 +147,18 @@ class Fp8LMHeadLossFunction(torch.autograd.Function):
         total, lse = softcapped_ce_e4m3(logits8, targets, prefix_targets, weights, num_mtp)
         ctx.save_for_backward(x8, w8, cols, logits8, lse, targets, prefix_targets, weights)
         ctx.num_mtp, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = num_mtp, x.dtype, w.dtype, w.shape
-        return total
+        return total, lse
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
         x8, w8, cols, logits8, lse, targets, prefix_targets, weights = ctx.saved_tensors
-        x_s = _scale(LM_HEAD_X_SCALE, grad_out.device)
-        w_s = _scale(LM_HEAD_W_SCALE, grad_out.device)
-        g_s = _scale(LM_HEAD_GRAD_SCALE, grad_out.device)
+        if grad_out is None:  # only lse was used
+            grad_out = lse.new_zeros(())
+        x_s = _scale(LM_HEAD_X_SCALE, lse.device)
+        w_s = _scale(LM_HEAD_W_SCALE, lse.device)
+        g_s = _scale(LM_HEAD_GRAD_SCALE, lse.device)
         g8 = softcapped_ce_grad_e5m2(logits8, lse, targets, prefix_targets, weights, ctx.num_mtp,
-                                     grad_out, g_s)  # (T, N) e5m2
+                                     grad_out, g_s, grad_lse)  # (T, N) e5m2
         dx = scaled_mm(g8, w8.t(), g_s, w_s, ctx.x_dtype, False) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
@@ -161,16 +166,16 @@ class Fp8LMHeadLossFunction(torch.autograd.Function):
             if cols is None:
                 dw = dw_cols
             else:  # densify: exact zeros outside the candidate columns
-                dw = torch.zeros(ctx.w_shape, dtype=ctx.w_dtype, device=grad_out.device)
+                dw = torch.zeros(ctx.w_shape, dtype=ctx.w_dtype, device=lse.device)
                 dw[:, cols] = dw_cols
         return dx, dw, None, None, None, None, None
 
 
 def fp8_lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
-                     prefix_weight, cols: Tensor | None = None) -> Tensor:
-    """Σ_t L_t (0-D fp32, `softcapped_loss_sum`'s loss) of the final normed rows x [T, D] through the
-    fp8 lm_head w [D, V], over the columns `cols` only if given (then targets and prefix_targets are
-    positions in cols)."""
+                     prefix_weight, cols: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(Σ_t L_t 0-D fp32, lse fp32 [T]), model/loss.py `softcapped_ce` of the final normed rows x [T, D]
+    through the fp8 lm_head w [D, V], over the columns `cols` only if given (then targets and
+    prefix_targets are positions in cols, and lse is over those columns). Both are differentiable."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"fp8_lm_head_loss: x {tuple(x.shape)} and lm_head {tuple(w.shape)} must be [T, D] and [D, V]")
     weights = loss_weights(mtp_weights, prefix_weight, x.device)  # [w_0..w_{K-1}, w_p]

@@ -86,15 +86,18 @@ softcap = dict(A=cross_entropy.SOFTCAP_A, B=cross_entropy.SOFTCAP_B, C=cross_ent
 for tiles in gpu_configs(cross_entropy.TILES):
     for logits in ("*fp32", "*bf16", "*fp8e4nv"):
         for prefix in (False, True):
-            for write_grad in ((False, True) if logits != "*fp8e4nv" else (False,)):
+            # a compiled backward gets a zero lse gradient, not None: the record runs HAS_LSE_GRAD=True
+            for write_grad, lse_grad in (((False, False), (True, False), (True, True)) if logits != "*fp8e4nv"
+                                         else ((False, False),)):
                 compile_sm90(cross_entropy._softcapped_ce_kernel,
                              dict(logits_ptr=logits, targets_ptr="*i64", prefix_ptr="*i64", weights_ptr="*fp32",
                                   row_loss_ptr="*fp32", lse_ptr="*fp32", grad_ptr=logits if write_grad else "*fp32"),
-                             dict(softcap, HAS_PREFIX=prefix, WRITE_GRAD=write_grad), tiles)
-        compile_sm90(cross_entropy._softcapped_ce_grad_e5m2_kernel,
-                     dict(logits_ptr="*fp8e4nv", targets_ptr="*i64", prefix_ptr="*i64", weights_ptr="*fp32",
-                          lse_ptr="*fp32", grad_out_ptr="*fp32", grad_scale_ptr="*fp32", out_ptr="*u8"),
-                     dict(softcap, E5M2_MAX=cross_entropy.E5M2_MAX, HAS_PREFIX=prefix), tiles)
+                             dict(softcap, HAS_PREFIX=prefix, WRITE_GRAD=write_grad, HAS_LSE_GRAD=lse_grad), tiles)
+        for lse_grad in (False, True):
+            compile_sm90(cross_entropy._softcapped_ce_grad_e5m2_kernel,
+                         dict(logits_ptr="*fp8e4nv", targets_ptr="*i64", prefix_ptr="*i64", weights_ptr="*fp32",
+                              lse_ptr="*fp32", grad_out_ptr="*fp32", grad_scale_ptr="*fp32", out_ptr="*u8"),
+                         dict(softcap, E5M2_MAX=cross_entropy.E5M2_MAX, HAS_PREFIX=prefix, HAS_LSE_GRAD=lse_grad), tiles)
 mlp_unit_strides = ("stride_xd", "stride_gd", "stride_wd")  # the fp8 caches and activations are row-major
 for dtype in (tl.bfloat16, tl.float32):
     compile_sm90(mlp._up_relu2_fp8_kernel, dict(x8_ptr="*fp8e4nv", w1_ptr="*fp8e4nv", post8_ptr="*fp8e4nv",

@@ -1,5 +1,6 @@
 """Fused softcapped CE: kernel against a float64 autograd reference and its portable twin (interpreter),
-the dispatch, input errors, and ragged GPU shapes at the GPU tile (gpu marker)."""
+twins and kernels against model/loss.py's definition with a gradient flowing into lse, the dispatch,
+input errors, and ragged GPU shapes at the GPU tile (gpu marker)."""
 
 import pytest
 import torch
@@ -106,8 +107,8 @@ def test_weights_may_be_device_tensors():
 def test_dispatch_and_training_loss_on_both_paths(monkeypatch):
     """training_loss (sampled softmax over P candidates) runs the kernel when the backend says triton."""
     calls = []
-    kernel = ce.softcapped_loss_sum_triton
-    monkeypatch.setattr(ce, "softcapped_loss_sum_triton", lambda *a: calls.append("triton") or kernel(*a))
+    kernel = ce.softcapped_loss_lse_triton
+    monkeypatch.setattr(ce, "softcapped_loss_lse_triton", lambda *a: calls.append("triton") or kernel(*a))
     gen = torch.Generator().manual_seed(4)
     T, D, V = 10, 16, 60
     x = torch.randn(T, D, generator=gen)
@@ -116,16 +117,117 @@ def test_dispatch_and_training_loss_on_both_paths(monkeypatch):
     cand = torch.unique(torch.cat([targets, torch.arange(0, V, 4)]))  # P = |C| < V
     prefix = torch.randint(-1, V, (T,), generator=gen)
     results = {}
-    for triton in (False, True):
-        with use_backend(triton=triton):
+    for on_triton in (False, True):
+        with use_backend(triton=on_triton):
             xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
             loss = loss_module.training_loss(xg, wg, targets, (1.0, 0.5), prefix, 0.3, candidates=cand, fp8=False)
             loss.backward()
-            results[triton] = (loss.detach(), xg.grad, wg.grad)
+            results[on_triton] = (loss.detach(), xg.grad, wg.grad)
     assert calls == ["triton"]  # once, and only under triton=True
     assert results[True][0].item() == pytest.approx(results[False][0].item(), rel=1e-6)
     for got, want in zip(results[True][1:], results[False][1:]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# model/loss.py defines the math; the twins and kernels here implement it, lse gradient included
+
+
+def test_softcap_constants_are_the_models():
+    """The kernel module restates model/loss.py's softcap (a kernel imports no model file)."""
+    assert (ce.SOFTCAP_A, ce.SOFTCAP_B, ce.SOFTCAP_C) == (loss_module.SOFTCAP_A, loss_module.SOFTCAP_B,
+                                                          loss_module.SOFTCAP_C)
+
+
+def _model_reference(logits, targets, mtp, prefix, prefix_weight, grad_out, grad_lse):
+    """model/loss.py `softcapped_ce` in float64: (Σ L, lse) and the logit gradient of
+    grad_out·Σ L + Σ_t grad_lse_t·lse_t by autograd."""
+    ell = logits.detach().double().requires_grad_()
+    loss, lse = loss_module.softcapped_ce(ell, targets, mtp, prefix, prefix_weight)
+    torch.autograd.backward([loss, lse], [torch.tensor(grad_out, dtype=torch.float64), grad_lse.double()])
+    return loss.detach(), lse.detach(), ell.grad
+
+
+def _lse_grad(T, seed=7):
+    return torch.randn(T, generator=torch.Generator().manual_seed(seed))  # O(1): the lse term is not small
+
+
+# (T, N, mtp, with prefix, logits dtype, grad_out); grad_out = 0: only lse is used (the loss gets None)
+LSE_CASES = [
+    (9, 37, (1.0, 0.5, 0.25), True, torch.float32, 1.7),
+    (7, 33, (0.7, 0.3), True, torch.bfloat16, 1.7),
+    (5, 20, (1.0,), False, torch.float32, 0.0),
+]
+
+
+@pytest.mark.parametrize("impl", ["portable", "triton"])
+@pytest.mark.parametrize("T,N,mtp,with_prefix,dtype,grad_out", LSE_CASES)
+def test_loss_and_lse_match_the_model_definition_with_an_lse_gradient(impl, T, N, mtp, with_prefix, dtype, grad_out):
+    """softcapped_loss_lse (non-fp8 path): loss, lse and the logit gradient with a random grad_lse,
+    against model/loss.py's definition."""
+    fn = getattr(ce, f"softcapped_loss_lse_{impl}")
+    logits, targets, prefix = _inputs(T, N, dtype)
+    prefix = prefix if with_prefix else None
+    grad_lse = _lse_grad(T)
+    want_loss, want_lse, want_grad = _model_reference(logits, targets, mtp, prefix, 0.3, grad_out, grad_lse)
+    leaf = logits.detach().clone().requires_grad_()
+    loss, lse = fn(leaf, targets, mtp, prefix, 0.3)
+    if grad_out == 0:
+        lse.backward(grad_lse)  # the loss is unused: its gradient arrives as None
+    else:
+        torch.autograd.backward([loss, lse], [torch.tensor(grad_out), grad_lse])
+    assert loss.dtype == lse.dtype == torch.float32 and lse.shape == (T,)
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=0)
+    if dtype == torch.float32:  # fp32 math, another summation order: a few fp32 ulps of |grad| <= 4
+        torch.testing.assert_close(leaf.grad.double(), want_grad, rtol=0, atol=4e-6)
+    else:  # the fp32 gradient rounded to bf16 once (the interpreter truncates): <= 1 bf16 ulp
+        assert ulp_distance(leaf.grad, want_grad, torch.bfloat16, atol=1e-6) <= 1.0
+
+
+@pytest.mark.parametrize("impl", ["portable", "triton"])
+@pytest.mark.parametrize("T,N,mtp,with_prefix,_,grad_out", LSE_CASES)
+def test_e4m3_ce_with_an_lse_gradient_matches_the_model_definition(impl, T, N, mtp, with_prefix, _, grad_out):
+    """The fp8 path's CE: lse of e4m3 logits and the e5m2 gradient with a random grad_lse against
+    model/loss.py's definition (to e5m2 precision), and kernel against twin (one e5m2 step)."""
+    logits8, targets, prefix = _e4m3_inputs(T, N)
+    prefix = prefix if with_prefix else None
+    weights = ce.loss_weights(mtp, 0.3 if with_prefix else None, "cpu")
+    grad_lse = _lse_grad(T)
+    want_loss, want_lse, want_grad = _model_reference(logits8.float(), targets, mtp, prefix, 0.3, grad_out, grad_lse)
+    loss, lse = getattr(ce, f"softcapped_ce_e4m3_{impl}")(logits8, targets, prefix, weights, len(mtp))
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=0)
+    args = (logits8, lse, targets, prefix, weights, len(mtp), torch.tensor(grad_out), torch.tensor(GRAD_SCALE))
+    got = getattr(ce, f"softcapped_ce_grad_e5m2_{impl}")(*args, grad_lse)
+    exact = (want_grad / GRAD_SCALE).clamp(-57344, 57344)
+    # e5m2 rounds to within half a step: 2^-3 relative above 2^-14, 2^-17 absolute below
+    assert ((got.double() - exact).abs() <= exact.abs() / 8 + 2.0 ** -17 + 1e-9).all()
+    if impl == "triton":
+        twin = ce.softcapped_ce_grad_e5m2_portable(*args, grad_lse)
+        steps = _e5m2_steps(got, twin)
+        assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.02
+
+
+@pytest.mark.parametrize("impl", ["portable", "triton"])
+def test_a_zero_lse_gradient_is_the_lse_free_backward_bit_for_bit(impl):
+    """torch.compile hands an unused output's gradient over as zeros (eager autograd as None): both
+    must give the numbers of the lse-free backward, bit for bit, on both paths."""
+    logits, targets, prefix = _inputs(6, 27, torch.float32, seed=5)
+    grads = []
+    for grad_lse in (None, torch.zeros(6)):
+        leaf = logits.clone().requires_grad_()
+        loss, lse = getattr(ce, f"softcapped_loss_lse_{impl}")(leaf, targets, (1.0, 0.5), prefix, 0.3)
+        torch.autograd.backward([loss] if grad_lse is None else [loss, lse],
+                                [torch.tensor(0.37)] if grad_lse is None else [torch.tensor(0.37), grad_lse])
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1])
+    logits8 = (2 * logits).clamp(-448, 448).to(torch.float8_e4m3fn)
+    weights = ce.loss_weights((1.0, 0.5), 0.3, "cpu")
+    _, lse = ce.softcapped_ce_e4m3_portable(logits8, targets, prefix, weights, 2)
+    args = (logits8, lse, targets, prefix, weights, 2, torch.tensor(0.37), torch.tensor(GRAD_SCALE))
+    grad_e5m2 = getattr(ce, f"softcapped_ce_grad_e5m2_{impl}")
+    assert torch.equal(grad_e5m2(*args).view(torch.uint8), grad_e5m2(*args, torch.zeros(6)).view(torch.uint8))
 
 
 def test_bad_inputs_name_the_tensor():
@@ -136,6 +238,13 @@ def test_bad_inputs_name_the_tensor():
         ce.softcapped_loss_sum_triton(logits, torch.zeros(5, dtype=torch.long), (1.0,), None, 0.0)
     with pytest.raises(ValueError, match="prefix_targets"):
         ce.softcapped_loss_sum_portable(logits, torch.zeros(4, dtype=torch.long), (1.0,), torch.zeros(3), 0.0)
+    logits8, idx = logits.to(torch.float8_e4m3fn), torch.zeros(4, dtype=torch.long)
+    one = torch.tensor(1.0)
+    for impl in ("portable", "triton"):
+        with pytest.raises(ValueError, match=r"softcapped_ce_grad_e5m2: grad_lse must be \[T\] = \[4\], got \(4, 1\)"):
+            getattr(ce, f"softcapped_ce_grad_e5m2_{impl}")(logits8, torch.zeros(4), idx, None,
+                                                          ce.loss_weights((1.0,), None, "cpu"), 1, one, one,
+                                                          torch.zeros(4, 1))
 
 
 

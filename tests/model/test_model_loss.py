@@ -1,13 +1,18 @@
-"""model/loss.py and the fp8 lm_head against loops and dequantized references."""
+"""model/loss.py and the fp8 lm_head against loops and dequantized references; the README's z-loss
+example, made as the one-line edit it describes, against the model's definition."""
+import __future__
+import inspect
 import math
 
 import pytest
 import torch
 
 import model.loss as loss_module
-from model.loss import CandidateSampler, softcap, softcapped_loss_sum, training_loss, validation_loss
+from model.loss import (CandidateSampler, candidate_positions, softcap, softcapped_ce, training_loss,
+                        validation_loss)
 from perf.backend import use_backend
 from perf.fp8 import LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE, LM_HEAD_X_SCALE, fp8_lm_head_loss, quantize_lm_head
+from perf.kernels.cross_entropy import softcapped_loss_sum
 
 
 def _loop_loss(logits, targets, mtp, prefix, pw):
@@ -22,6 +27,29 @@ def _loop_loss(logits, targets, mtp, prefix, pw):
         if prefix is not None and prefix[t] >= 0:
             total += pw * (lse - z[prefix[t]])
     return total
+
+
+def test_softcapped_ce_definition_matches_a_loop():
+    """model/loss.py's definition: Σ L against the loop, lse_t = ln Σ_c exp z_tc row by row, in fp32
+    (bf16 logits upcast first) or wider."""
+    gen = torch.Generator().manual_seed(6)
+    T, N = 9, 13
+    logits = 4 * torch.randn(T, N, generator=gen)
+    targets = torch.randint(0, N, (T,), generator=gen)
+    targets[3], targets[7] = -100, N + 2  # both skipped
+    prefix = torch.randint(-1, N, (T,), generator=gen)
+    loss, lse = softcapped_ce(logits, targets, (1.0, 0.5, 0.25), prefix, 0.2)
+    want = _loop_loss(logits, targets.tolist(), (1.0, 0.5, 0.25), prefix.tolist(), 0.2)
+    assert loss.dtype == lse.dtype == torch.float32 and lse.shape == (T,)
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+    for t in range(T):
+        z = [23 / (1 + math.exp(-(float(v) + 5) / 7.5)) for v in logits[t]]
+        assert lse[t].item() == pytest.approx(math.log(sum(math.exp(v) for v in z)), rel=1e-6)
+    bf16 = logits.bfloat16()
+    got16 = softcapped_ce(bf16, targets, (1.0,), None, 0.0)
+    assert got16[0].dtype == torch.float32 and torch.equal(got16[1], softcapped_ce(bf16.float(), targets, (1.0,), None,
+                                                                                   0.0)[1])
+    assert softcapped_ce(logits.double(), targets, (1.0,), None, 0.0)[1].dtype == torch.float64
 
 
 def test_softcapped_loss_matches_a_loop():
@@ -51,6 +79,9 @@ def test_sampled_softmax_is_the_loss_over_the_candidate_columns():
     sub_p = [col.get(int(p), -1) if p >= 0 else -1 for p in prefix]  # prefix outside C: dropped
     want = _loop_loss(x @ w[:, cand], sub_t, (1.0, 0.5), sub_p, 0.3)
     assert got.item() == pytest.approx(want, rel=1e-5)
+    pos_t, pos_p = candidate_positions(cand, V, targets, prefix)  # the model's definition of the relabelling
+    assert pos_t.tolist() == sub_t and pos_p.tolist() == sub_p
+    assert softcapped_ce(x @ w[:, cand], pos_t, (1.0, 0.5), pos_p, 0.3)[0].item() == pytest.approx(want, rel=1e-5)
     with pytest.raises(ValueError, match="candidate"):
         training_loss(x, w, targets, (1.0,), None, 0.0, candidates=cand[cand != targets[0]], fp8=False)
 
@@ -110,7 +141,7 @@ def test_fp8_lm_head_loss_matches_float64_reference(triton, sampled):
     prefix = torch.randint(-1, N, (T,), generator=gen)
     mtp = (1.0, 0.5, 0.25)
     with use_backend(triton=triton):
-        loss = fp8_lm_head_loss(x, w, targets, mtp, prefix, 0.3, cols)
+        loss, _ = fp8_lm_head_loss(x, w, targets, mtp, prefix, 0.3, cols)
         loss.backward(torch.tensor(2.0))  # grad_out rides into the e5m2 scale
     want_loss, want_dx, want_dw = _fp8_lm_head_loss_reference(x, w, cols, targets.tolist(), mtp, prefix.tolist(), 0.3)
     assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
@@ -133,7 +164,7 @@ def test_fp8_lm_head_loss_is_the_ce_of_its_e4m3_logits():
     targets = torch.randint(0, V, (T,), generator=gen)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss = fp8_lm_head_loss(x, w, targets, (1.0, 0.5), None, None)
+        loss, _ = fp8_lm_head_loss(x, w, targets, (1.0, 0.5), None, None)
     x8 = (x.detach().float() / LM_HEAD_X_SCALE).to(torch.float8_e4m3fn)
     w8 = quantize_lm_head(w.detach())
     logits = torch._scaled_mm(x8, w8.t().contiguous().t(), scale_a=torch.tensor(LM_HEAD_X_SCALE),
@@ -188,3 +219,90 @@ def test_softcapped_loss_gradient_matches_autograd_of_the_plain_expression():
             total = total + 0.3 * (lse[t] - z[t, prefix[t]])
     total.backward()
     torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# The README's worked example ("Adding a loss term"): a z-loss is one line in training_loss
+
+Z_LOSS_LINE = "loss = loss + 1e-4 * lse.square().sum()"  # README "Adding a loss term", verbatim
+
+
+def _training_loss_with(line: str):
+    """model/loss.py `training_loss` with `line` inserted before its closing `return loss`: the
+    README's one-line edit, made on the source, so the test sees what the edited file would run."""
+    source = inspect.getsource(loss_module.training_loss)
+    closing = "\n    return loss\n"
+    assert source.endswith(closing), "training_loss no longer ends in `return loss`: update the README example"
+    source = source[: -len(closing)] + f"\n    {line}{closing}"
+    namespace = dict(vars(loss_module))
+    exec(compile(source, loss_module.__file__, "exec", flags=__future__.annotations.compiler_flag), namespace)
+    return namespace["training_loss"]
+
+
+def _defined_step(x, w, cand, targets, mtp, prefix, pw, line, fp8, grad_out):
+    """The same step from the model's definition (candidate_positions, softcapped_ce) in float64 with
+    `line` applied to its (loss, lse): with fp8, on e4m3-rounded operands and logits, and the logit
+    gradient rounded to e5m2 as the fp8 backward does. Returns the loss, dx and dW."""
+    if fp8:
+        x_d = (x.detach().float() / LM_HEAD_X_SCALE).to(torch.float8_e4m3fn).double() * LM_HEAD_X_SCALE
+        w_d = quantize_lm_head(w.detach()).double() * LM_HEAD_W_SCALE
+    else:
+        x_d, w_d = x.detach().double(), w.detach().double()
+    if cand is not None:
+        targets, prefix = candidate_positions(cand, w.shape[1], targets, prefix)
+    w_cols = w_d if cand is None else w_d[:, cand]
+    logits = x_d @ w_cols
+    if fp8:
+        logits = logits.clamp(-448, 448).to(torch.float8_e4m3fn).double()
+    logits.requires_grad_()
+    names = dict(zip(("loss", "lse"), softcapped_ce(logits, targets, mtp, prefix, pw)))
+    exec(line, names)
+    names["loss"].backward(torch.tensor(grad_out, dtype=torch.float64))
+    g = logits.grad
+    if fp8:
+        g = (g / LM_HEAD_GRAD_SCALE).clamp(-57344, 57344).to(torch.float8_e5m2).double() * LM_HEAD_GRAD_SCALE
+    dw = torch.zeros_like(w_d)
+    dw[:, slice(None) if cand is None else cand] = x_d.t() @ g
+    return names["loss"].detach(), g @ w_cols.t(), dw
+
+
+@pytest.mark.parametrize("path,softmax", [("fp8-portable", "sampled"), ("fp8-portable", "full"),
+                                          ("fp8-triton", "sampled"), ("fp8-triton", "full"), ("fp32-triton", "sampled")])
+def test_readme_z_loss_is_one_line_and_passes_the_ce_parity(path, softmax):
+    """A z-loss made as the README's one-line edit of training_loss, no kernel touched: loss, dx and dW
+    of the fp8 path (e4m3 logits, e5m2 gradient, portable and Triton) and of the non-fp8 kernel
+    against the model's definition with the same line. Under the full softmax, rows 6 and 7 carry no
+    CE term (their targets skipped, no prefix), so their dx is the z-loss's alone."""
+    gen = torch.Generator().manual_seed(8)
+    T, D, V = 12, 32, 48
+    sampled = softmax == "sampled"
+    x = 2 * torch.randn(T, D, generator=gen)
+    w = 0.5 * torch.randn(D, V, generator=gen)
+    if path.startswith("fp8"):
+        x, w = x.bfloat16(), w.bfloat16()
+    targets = torch.randint(0, V, (T,), generator=gen)
+    prefix = torch.randint(-1, V, (T,), generator=gen)
+    cand = torch.unique(torch.cat([targets, torch.arange(0, V, 5)])) if sampled else None
+    if not sampled:  # no CE term on rows 6, 7 (MTP reaches targets 6..9)
+        targets[6:10], prefix[6:8] = -100, -1
+    mtp, fp8 = (1.0, 0.5, 0.25), path.startswith("fp8")
+    z_loss_training = _training_loss_with(Z_LOSS_LINE)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with use_backend(triton=path.endswith("triton")):
+        loss = z_loss_training(xg, wg, targets, mtp, prefix, 0.3, candidates=cand, fp8=fp8)
+        loss.backward(torch.tensor(2.0))
+    want_loss, want_dx, want_dw = _defined_step(x, w, cand, targets, mtp, prefix, 0.3, Z_LOSS_LINE, fp8, 2.0)
+    plain_loss, plain_dx, _ = _defined_step(x, w, cand, targets, mtp, prefix, 0.3, "", fp8, 2.0)
+    assert abs(want_loss - plain_loss) > 1e-3 * abs(plain_loss)  # the z-loss is in the value
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+    if fp8:  # e5m2 keeps 2 mantissa bits: one element rounded the other way moves a sum by <= 1/8 of its term
+        torch.testing.assert_close(xg.grad.double(), want_dx, rtol=5e-2, atol=2e-3)
+        torch.testing.assert_close(wg.grad.double(), want_dw, rtol=5e-2, atol=2e-3)
+    else:
+        # fp32 logits and GEMMs against float64: the sums of T or V products, a few fp32 ulps of |dW| <= 20
+        torch.testing.assert_close(xg.grad.double(), want_dx, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(wg.grad.double(), want_dw, rtol=1e-5, atol=1e-5)
+    if not sampled:  # the z-loss's gradient alone, to the precision of its own size
+        assert torch.equal(plain_dx[6:8], torch.zeros(2, D, dtype=torch.float64))
+        err = (xg.grad[6:8].double() - want_dx[6:8]).norm() / want_dx[6:8].norm()
+        assert want_dx[6:8].norm() > 0 and err < (0.05 if fp8 else 1e-5)
