@@ -182,6 +182,68 @@ OPTIM_PRESETS = {"record": OptimConfig(), "dev": OptimConfig(), "smoke": OptimCo
 
 
 # ================================================================================================
+# Feature switches (ablations): each removes a record feature's cost, not only its effect.
+# ================================================================================================
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """Which of the record's features a run has: `--set features.ngram=false` and so on. Every
+    default is the record (all on). A switched-off feature costs nothing: no tensor allocated, no
+    kernel launched, no collective, no host work (README "Feature switches" lists each with #360's
+    measured gain). The other switches that price a feature exist elsewhere:
+    `--set optim.bank_optimizer=normuon` (ANVIL -> record #89's NorMuon), SPEEDRUN_CUDA_GRAPHS=0
+    and SPEEDRUN_COMPILE=0 (perf/backend.py: execution paths, not math)."""
+    # PR #360 ("New Embedding Table"): the 84.6M-row hashed bigram + trigram table, its
+    # sign pool, row exchange and row-sparse Adam, and its injections (layer 0, 1, 4, 5, 9, MUDD
+    # mu11, the gates' n-gram lanes). Off: none of them. (Record #89 had a bigram-only table.)
+    ngram: bool = True
+    # in record #89's tree (introduced before it; 4 planes on layers 1, 2, 8, 10 since PR #360):
+    # value_embeds and ve_gate_bank, their gather and scatter-add, optimizer state and tail average,
+    # the planes added to V and read by the post-loop MUDD mix. Off: none of them.
+    value_embeds: bool = True
+    # PR #360 ("Sampled-softmax"): the training CE over P candidates until stage 3.
+    # Off: the full softmax every step, no candidate sets built or uploaded.
+    sampled_softmax: bool = True
+    # in record #89's tree (introduced before it): the multi-token-prediction terms (weights on the
+    # targets t+1, t+2). Off: one weight, (1.0,), every step: the next-token CE alone.
+    mtp: bool = True
+    # PR #337 (the prefix-token record #89 merged onto): the prefix-token auxiliary term. Off: no
+    # term, no prefix table (not built on the clock, no buffer in the model).
+    prefix_loss: bool = True
+    # in record #89's tree (fp8 lm_head and MLP forward; PR #342 the down projection), extended by
+    # PR #344 (packed fp8 QKV) and PR #360 (fp8 MLP backward, cached lm_head, e4m3 logits). Off:
+    # bf16 GEMMs everywhere, no fp8 weight caches. This is the recipe switch (any preset, recorded
+    # with the run); SPEEDRUN_FP8=0 (perf/backend.py) says the hardware cannot run fp8 GEMMs and the
+    # record preset refuses it. A run trains in fp8 only when both are on.
+    fp8: bool = True
+
+    def off(self) -> list[str]:
+        """The switched-off features' names, in field order."""
+        return [name for name, on in vars(self).items() if not on]
+
+
+# ours: what each switch removes, for the run log's features line (train_gpt.py).
+FEATURE_REMOVES = {
+    "ngram": "no n-gram table, row exchange, row optimizer, sign pool or injections",
+    "value_embeds": "no value_embeds/ve_gate_bank, no value embeddings on V or in the MUDD mix",
+    "sampled_softmax": "full softmax every step, no candidate sets",
+    "mtp": "next-token loss only",
+    "prefix_loss": "no prefix term, no prefix table",
+    "fp8": "bf16 GEMMs, no fp8 caches",
+}
+
+
+def features_line(features: FeatureConfig) -> str | None:
+    """`features: ngram off (no n-gram table, ...), ...` when any feature is off; None for the record."""
+    off = features.off()
+    if not off:
+        return None
+    return "features: " + ", ".join(f"{name} off ({FEATURE_REMOVES[name]})" for name in off) + \
+        " (the record has every feature on)"
+
+
+# ================================================================================================
 # Runs: one preset = model + schedule + optimizer + where it runs and what it reads (train_gpt.py).
 # ================================================================================================
 RECORD_WORLD_SIZE = 8  # record #360: the recipe's global batch is split over 8 ranks
@@ -216,6 +278,7 @@ class RunConfig:
     save_checkpoint: bool = False
     max_steps: int | None = None    # stop the timed loop early (a truncated check run: no tail ship)
     overrides: tuple[str, ...] = ()  # the --set assignments applied to the preset (logged, recorded)
+    features: FeatureConfig = FeatureConfig()  # ablation switches, all on (--set features.ngram=false)
     # ours: how long a rank waits in a collective for the others (the process group's timeout). Sized
     # against a cold compile: ranks compile each geometry between two collectives of the warmup, and
     # one geometry of the record took up to 140 s to compile for SM90 on 2 CPU cores (perf.cross_compile);

@@ -69,20 +69,40 @@ def exit_on_config_error(prog: str, is_master: bool = True):
         raise SystemExit(EXIT_CONFIG_ERROR) from None
 
 
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """--set SECTION.FIELD=VALUE (repeatable), as train_gpt.py takes it (`apply_overrides`)."""
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", dest="assignments",
+                        help="set a field of the preset's run config, as train_gpt.py --set does "
+                             "(e.g. --set features.ngram=false; repeatable)")
+
+
+def preset_run_config(name: str, assignments: list[str]) -> RunConfig:
+    """RUN_PRESETS[name] with the --set assignments applied (ConfigError naming each bad one)."""
+    from dataclasses import replace
+
+    from config import RUN_PRESETS
+
+    cfg = RUN_PRESETS[name]
+    return replace(apply_overrides(cfg, assignments), overrides=tuple(assignments)) if assignments else cfg
+
+
 def parse_preset_args(prog: str, description: str, argv, presets, world_size_help: str,
                       world_size_default: int | None = None, ranks_of=None) -> argparse.Namespace:
-    """The measuring tools' command line (model.summary, perf.memory, perf.cost): --config PRESET and
-    --world-size W, bad input refused in one line with exit 2. ranks_of: preset name -> the ranks
-    W must divide (the process count of a run); None: any positive W."""
+    """The measuring tools' command line (model.summary, perf.memory, perf.cost): --config PRESET,
+    --world-size W and --set SECTION.FIELD=VALUE (repeatable; `args.run_config` is the preset's
+    RunConfig with them applied), bad input refused in one line with exit 2. ranks_of: preset name
+    -> the ranks W must divide (the process count of a run); None: any positive W."""
     with exit_on_config_error(prog):
         parser = ArgumentParser(prog=prog, description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("--config", default="record", choices=sorted(presets))
         parser.add_argument("--world-size", type=positive_int, default=world_size_default, help=world_size_help)
+        add_set_argument(parser)
         args = parser.parse_args(argv)
         if ranks_of is not None and args.world_size is not None and ranks_of(args.config) % args.world_size:
             raise ConfigError(f"--world-size {args.world_size}: must divide --config {args.config}'s "
                               f"{ranks_of(args.config)} ranks")
+        args.run_config = preset_run_config(args.config, args.assignments)
     return args
 
 
@@ -211,6 +231,13 @@ def checkpoint_problems(cfg: RunConfig, folder: Path) -> list[str]:
     except Exception as e:  # a truncated or foreign file: say so rather than fail later
         return [f"{flag}: {model_file} cannot be read ({type(e).__name__}: {e})"]
     saved_cfg = saved.get("config", {}) if isinstance(saved, dict) else {}
+    from config import FeatureConfig
+
+    saved_features = saved_cfg.get("features", asdict(FeatureConfig()))  # saved before the switches: all on
+    if saved_features != asdict(cfg.features):
+        changed = sorted(k for k, v in asdict(cfg.features).items() if saved_features.get(k) != v)
+        return [f"{flag}: saved by a run with other feature switches ({', '.join(f'features.{k}=' + str(saved_features.get(k)).lower() for k in changed)}); "
+                f"pass the same --set features.* as the run that saved it"]
     if saved_cfg.get("model") != asdict(cfg.model):
         changed = sorted(k for k, v in asdict(cfg.model).items() if saved_cfg.get("model", {}).get(k) != v)
         return [f"{flag}: saved by a --config {saved_cfg.get('name', '?')} run whose model differs from "

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from config import RUN_PRESETS, ConfigError, RunConfig
+from config import RUN_PRESETS, ConfigError, RunConfig, features_line
 from config_check import (ArgumentParser, apply_overrides, check_run, exit_on_config_error, records_folder,
                           records_folder_problems, shard_globs)
 from data.loader import TrainLoader
@@ -58,7 +58,10 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap = ArgumentParser(prog="train_gpt.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Presets: record (8×H100, the #360 recipe; refuses anything else), dev (1-8 "
                                         "CUDA GPUs, same recipe, gradient accumulation), smoke (CPU/gloo, minutes).")
-    ap.add_argument("--config", default="record", choices=sorted(RUN_PRESETS), help="preset (default: record)")
+    ap.add_argument("--config", default=None, choices=sorted(RUN_PRESETS), help="preset (default: record; smoke with --quick)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the one-minute check of a change: the smoke preset, no warmup, the steps up to 2 past the first "
+                         "stage transition, one validation step at the end (explicit flags still win)")
     ap.add_argument("--data-path", default=os.environ.get("DATA_PATH"),
                     help="folder holding the train and val shards (env DATA_PATH; default: the preset's)")
     ap.add_argument("--steps", type=int, default=os.environ.get("NUM_SCHEDULED_ITERATIONS"),
@@ -84,6 +87,9 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
                     help="only run the final validation of a checkpoint saved by --save-checkpoint")
     args = ap.parse_args(argv)  # syntax only: config_check.check_run judges the values, all at once
 
+    if args.quick and args.config not in (None, "smoke"):
+        raise ConfigError(f"--quick runs the smoke preset; drop --config {args.config} (or --quick)")
+    args.config = args.config or ("smoke" if args.quick else "record")
     cfg = RUN_PRESETS[args.config]
     overrides = {"data_path": args.data_path, "val_every": args.val_every, "val_tokens": args.val_tokens,
                  "label": args.label, "records_dir": args.records_dir, "max_steps": args.max_steps,
@@ -105,6 +111,8 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
             cfg = replace(apply_overrides(cfg, args.assignments), overrides=tuple(args.assignments))
         except ConfigError as e:
             args.set_problems = e.problems
+    if args.quick:  # after --steps and --set, so the crossing follows an edited schedule; explicit flags win
+        cfg = quick(cfg, args)
     return cfg, args
 
 
@@ -156,6 +164,23 @@ def run_cost(cfg: RunConfig, setup: Setup, schedule: TrainingSchedule, log) -> R
     return cost
 
 
+def quick(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
+    """`--quick`: a change trained and validated in about a minute on 2 CPU cores. No warmup; the steps
+    up to 2 past the first stage transition, so a new batch size, windows, MTP weights and prefix
+    weights are met (read from the schedule, so an edited schedule is still crossed); one validation
+    step at the end, none in between. Flags given explicitly keep their values. Not a record: the run
+    is truncated (--max-steps)."""
+    try:
+        schedule = TrainingSchedule(cfg.schedule)
+    except ValueError:  # a schedule that cannot be built: config_check.check_run reports it
+        return replace(cfg, warmup=False)
+    explicit = {"max_steps": args.max_steps, "val_tokens": args.val_tokens, "val_every": args.val_every,
+                "label": args.label}
+    wanted = {"max_steps": min(schedule.stage_ends[1] + 2, schedule.total_steps), "val_tokens": cfg.val_batch_tokens,
+              "val_every": 0, "label": "quick"}
+    return replace(cfg, warmup=False, **{k: v for k, v in wanted.items() if explicit[k] is None})
+
+
 # ----------------------------------------------------------------------------------------------------
 # the run
 # ----------------------------------------------------------------------------------------------------
@@ -183,11 +208,12 @@ def record_refusal(argv, refusal: ConfigError) -> None:
     lenient = argparse.ArgumentParser(add_help=False)
     for flag in ("--config", "--records-dir", "--label"):
         lenient.add_argument(flag)
+    lenient.add_argument("--quick", action="store_true")
     try:
         known, _ = lenient.parse_known_args(argv)
     except (SystemExit, argparse.ArgumentError):
-        known = argparse.Namespace(config=None, records_dir=None, label=None)
-    name = known.config or "record"
+        known = argparse.Namespace(config=None, records_dir=None, label=None, quick=False)
+    name = known.config or ("smoke" if known.quick else "record")
     preset = RUN_PRESETS.get(name, RUN_PRESETS["record"])
     records = records_folder(replace(preset, records_dir=known.records_dir or preset.records_dir))
     unwritable = records_folder_problems(records)
@@ -218,6 +244,8 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                    console=True)
         if cfg.overrides:
             log.print0("config overrides: " + " ".join(f"--set {a}" for a in cfg.overrides), console=True)
+        if features_line(cfg.features):  # ablations: what each switched-off feature leaves out
+            log.print0(features_line(cfg.features), console=True)
 
         run = Run(cfg, setup)
         # a collective another rank never reaches ends the run naming this rank's step and region
@@ -263,11 +291,13 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         graphs_before_loop = compiled_graphs()
         if mask_build is not None:
             mask_build.start()  # a forked child builds it while we train (record #92)
-        # one slice per process, all-gathered (SPEEDRUN_SHARDED_PREFIX), else the whole build here
-        run.model.set_prefix_table(
-            build_prefix_table_sharded(cfg.model.vocab_size, setup.rank, setup.world_size, setup.device)
-            if setup.backend.sharded_prefix and setup.world_size > 1
-            else build_prefix_table(cfg.model.vocab_size).to(setup.device))
+        # one slice per process, all-gathered (SPEEDRUN_SHARDED_PREFIX), else the whole build here;
+        # none without the prefix term (features.prefix_loss off)
+        if cfg.features.prefix_loss:
+            run.model.set_prefix_table(
+                build_prefix_table_sharded(cfg.model.vocab_size, setup.rank, setup.world_size, setup.device)
+                if setup.backend.sharded_prefix and setup.world_size > 1
+                else build_prefix_table(cfg.model.vocab_size).to(setup.device))
         def next_batches(step: int) -> list | None:  # None past the last step
             if step >= steps:
                 return None

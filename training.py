@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from config import RunConfig
-from data.loader import dummy_batch, val_batches
+from data.loader import NO_NGRAM, dummy_batch, val_batches
 from data.ngram import ngram_hash_sizes
 from model.embeddings import NgramTable
 from model.gpt import GPT, StepArgs
@@ -108,30 +108,38 @@ class RowPrefetch:
 
 
 class Run:
-    """The model, its n-gram table shard, the optimizers and the per-rank samplers of one run."""
+    """The model, its n-gram table shard, the optimizers and the per-rank samplers of one run.
+
+    A switched-off feature (cfg.features, config.FeatureConfig) is not built: without `ngram`,
+    `table`, `exchange` and `ngram_opt` are None (no shard, no row plan, pull, prefetch, gradient
+    merge or table event; the loader hashes nothing); without `sampled_softmax` there are no
+    samplers (`samplers` is empty); the model and the schedule drop the rest."""
 
     def __init__(self, cfg: RunConfig, setup: Setup):
         self.cfg, self.setup = cfg, setup
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
-        self.schedule = TrainingSchedule(cfg.schedule)
-        self.model = GPT(cfg.model, fp8=setup.backend.fp8).to(setup.device)
+        features = cfg.features
+        self.schedule = TrainingSchedule(cfg.schedule, features)
+        self.model = GPT(cfg.model, fp8=setup.backend.fp8, features=features).to(setup.device)
         if setup.world_size > 1:  # every rank starts from rank 0's weights and sign pool
-            for t in [*self.model.parameters(), self.model.ngram_sign_pool]:
+            for t in [*self.model.parameters(), *([self.model.ngram_sign_pool] if features.ngram else [])]:
                 dist.broadcast(t.data, 0)
-        self.table = NgramTable(cfg.model, setup.rank, setup.world_size, device=setup.device)
+        self.table = NgramTable(cfg.model, setup.rank, setup.world_size, device=setup.device) if features.ngram else None
         # keep_grads: gradients zeroed in place, never released (a captured backward adds into them)
         # defer_gathers (SPEEDRUN_DEFERRED_GATHERS): the bank all-gathers run between steps (`flush`)
         self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim, keep_grads=True,
-                                        defer_gathers=setup.backend.deferred_gathers)
-        # value_embeds' backward adds straight into the optimizer's fp16 cycle buffer (record #360)
-        self.model.value_embed_grad_buffer = self.manager.cycle_gradient("value_embeds")
-        # the table's rows move between ranks by host-planned exchanges (no host sync on the device)
-        self.exchange = RowExchange(cfg.model.ngram_rows, setup.rank, setup.world_size, setup.device)
-        self.ngram_opt = NgramRowOptimizer(self.table.rows, self.table.rows.size(0), self.manager, self.exchange)
+                                        defer_gathers=setup.backend.deferred_gathers,
+                                        absent=self.model.switched_off_parameters)
+        if features.value_embeds:  # value_embeds' backward adds straight into the optimizer's fp16 cycle buffer (record #360)
+            self.model.value_embed_grad_buffer = self.manager.cycle_gradient("value_embeds")
+        self.exchange, self.ngram_opt = None, None
+        if features.ngram:  # the table's rows move between ranks by host-planned exchanges (no host sync on the device)
+            self.exchange = RowExchange(cfg.model.ngram_rows, setup.rank, setup.world_size, setup.device)
+            self.ngram_opt = NgramRowOptimizer(self.table.rows, self.table.rows.size(0), self.manager, self.exchange)
         self.step_weights = StepWeights(self.schedule, setup.device)  # MTP / prefix weights as tensors
         self.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size)
-                         for r in setup.virtual_ranks]
+                         for r in setup.virtual_ranks] if features.sampled_softmax else []
         self.windows = self.schedule.windows(0)
         # the post-warmup reset's snapshot of the weights, off the device for the whole run: pinned
         # host memory on CUDA (copied back non-blocking; the clock starts after a synchronize), a
@@ -142,7 +150,8 @@ class Run:
             for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
         self.model.refresh_fp8()  # the fp8 weight caches, before the first training forward
         self.forward = compile_model(self.model, setup.backend)  # fullgraph; the module itself when not compiling
-        self.hash_sizes = ngram_hash_sizes(cfg.model)  # the loader's n-gram hashes match the model's tables
+        # the loader's n-gram hashes match the model's tables (none without the table)
+        self.hash_sizes = ngram_hash_sizes(cfg.model) if features.ngram else NO_NGRAM
         # CUDA graphs (SPEEDRUN_CUDA_GRAPHS): train_step runs each capturable region through
         # run_region(name, key, fn); the warmup captures every key, the timed loop replays
         # (perf/cuda_graphs/capture.py; on CPU its twin). perf/cuda_graphs/contract.py swaps its checker in as region_runner.
@@ -189,7 +198,8 @@ class Run:
 
     def upload(self, host_batch, softmax_p: int, sampler: CandidateSampler | None = None, static: bool = False,
                plan=None):
-        """The host batch on the device, its n-gram row plan and its sampled-softmax candidates.
+        """The host batch on the device, its n-gram row plan (None without the table) and its
+        sampled-softmax candidates.
 
         The plan and the candidates are built from the host batch (host work the sync check lets
         through); everything reaches the device by non-blocking copies (pinned memory on CUDA).
@@ -197,16 +207,21 @@ class Run:
         training step needs, instead of into fresh device tensors. plan: the batch's row plan when
         already made (a prefetched pull's)."""
         with host_side():
-            if plan is None:
-                plan = self.exchange.plan(host_batch.ngram_ids)  # a host collective: every rank, same order
+            if plan is None and self.exchange is not None:
+                # a host collective: every rank, same order (its sort done ahead when `prefetch` could)
+                plan = self.exchange.plan(host_batch.ngram_ids)
             candidates = sampler.candidates(host_batch.targets, softmax_p) if softmax_p else None
-            if candidates is not None and self.setup.device.type == "cuda":
-                candidates = candidates.pin_memory()
+        host_batch = replace(host_batch, ngram_ids=None)  # host only: the plan has read them
         if self.batch_ring is not None:  # a pinned slot and a side-stream copy (SPEEDRUN_PINNED_BATCHES)
-            host_batch = self.batch_ring.to_device(host_batch)
+            # the candidates ride in the batch's slot: no pinned allocation of their own
+            host_batch, extra = self.batch_ring.upload(host_batch, **({} if candidates is None else
+                                                                      {"candidates": candidates}))
+            candidates = extra.get("candidates", candidates)
+        elif candidates is not None and self.setup.device.type == "cuda":
+            candidates = candidates.pin_memory()
         if static:
-            batch = replace(host_batch, **{f: self.static_input(f, getattr(host_batch, f))
-                                           for f in ("inputs", "targets", "cu_seqlens", "ngram_sign_rows")})  # ngram_ids: host only (the plan)
+            names = ("inputs", "targets", "cu_seqlens") + (("ngram_sign_rows",) if self.table is not None else ())
+            batch = replace(host_batch, **{f: self.static_input(f, getattr(host_batch, f)) for f in names})
             if candidates is not None:
                 candidates = self.static_input("candidates", candidates)
             return batch, plan, candidates
@@ -247,17 +262,20 @@ class Run:
         self.set_windows((s.ws_short, s.ws_long))
         mtp_weights, prefix_weight = self.step_weights.load(step)  # tensors: new values, same graph
         total = torch.zeros((), device=self.setup.device)
-        table = self.table.rows
         prefetched = self.take_prefetched(batches)
-        for i, (sampler, host_batch) in enumerate(zip(self.samplers, batches)):
+        for i, host_batch in enumerate(batches):
+            sampler = self.samplers[i] if self.samplers else None
             pulled = prefetched[i] if prefetched is not None else None
             batch, plan, candidates = self.upload(host_batch, s.softmax_p, sampler, static=True,
                                                   plan=pulled.plan if pulled is not None else None)
-            # the sink leaf: the pulled rows (an all_to_all with host-planned sizes, outside the
-            # captured region) expanded straight into this geometry's static leaf
-            rows = self.static_buffer("ngram_rows", (plan.inverse_dev.numel(), table.size(1)), table.dtype,
-                                      requires_grad=True)
-            (pulled or self.exchange.start_pull(table, plan)).finish(out=rows)
+            rows = None  # without the n-gram table: no rows, no pull
+            if self.table is not None:
+                # the sink leaf: the pulled rows (an all_to_all with host-planned sizes, outside the
+                # captured region) expanded straight into this geometry's static leaf
+                table = self.table.rows
+                rows = self.static_buffer("ngram_rows", (plan.inverse_dev.numel(), table.size(1)), table.dtype,
+                                          requires_grad=True)
+                (pulled or self.exchange.start_pull(table, plan)).finish(out=rows)
             if i == len(batches) - 1:  # this step's own pulls are done: the next step's go now
                 self.prefetch(step, next_batches)
             args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp_weights,
@@ -270,8 +288,9 @@ class Run:
                 return loss.detach()
 
             loss = self.run_region("forward_backward", s.geometry, forward_backward)
-            self.ngram_opt.accumulate(plan, rows.grad)  # merged per distinct row: a per-batch size, outside
-            rows.grad.zero_()  # the next backward accumulates into it (x + 0 is x, bitwise)
+            if self.ngram_opt is not None:
+                self.ngram_opt.accumulate(plan, rows.grad)  # merged per distinct row: a per-batch size, outside
+                rows.grad.zero_()  # the next backward accumulates into it (x + 0 is x, bitwise)
             total += loss
         if self.prefetched is not None:
             # the prefetch's exchange is done before the optimizer graph, whose captured
@@ -289,17 +308,28 @@ class Run:
             self.fp8_refresh_pending = self.model.next_fp8_refresh_exact()
         if self.manager.untie_due(step):  # once per run: embed's moments from lm_head's, host state too
             self.manager.untie()
-        self.ngram_opt.step(step)
+        if self.ngram_opt is not None:
+            self.ngram_opt.step(step)
         return total
 
     def prefetch(self, step: int, next_batches) -> None:
         """Plan the next step's row pulls and launch them (SPEEDRUN_ROW_PREFETCH), unless this
         step is a table event: the event rewrites the table after the backward, and the next
-        step must read its rows after that."""
-        if next_batches is None or not self.setup.backend.row_prefetch or self.schedule.is_table_event(step):
+        step must read its rows after that. Then (or with the prefetch off) the next step's plans
+        are only started, on the exchange's prep thread (`RowExchange.prepare`: they depend on the
+        ids alone), and its upload finishes them. When the next step is a table event, its push
+        routes are planned ahead too: the cycle's plans are all known once the next step's are
+        (`RowExchange.expect_push`; NgramRowOptimizer.accumulate starts them)."""
+        if next_batches is None or self.exchange is None:
+            return
+        if not self.setup.backend.row_prefetch or self.schedule.is_table_event(step):
+            for b in next_batches:
+                self.exchange.prepare(b.ngram_ids)
             return
         with host_side():
             plans = [self.exchange.plan(b.ngram_ids) for b in next_batches]  # host collectives, step order
+        if self.schedule.is_table_event(step + 1):  # the loop's next step (the warmup's may differ: then
+            self.exchange.expect_push(plans)         # the event finds other plans and plans its push itself)
         self.prefetched = RowPrefetch(next_batches, [self.exchange.start_pull(self.table.rows, p) for p in plans],
                                       self.ngram_opt.version)
 
@@ -352,26 +382,42 @@ class Run:
             return [dummy_batch(tokens, schedule.doc_cap(step), seed=step, **self.hash_sizes)
                     for _ in self.setup.virtual_ranks]
 
-        following = batches(steps[0]) if steps else None
-        for i, step in enumerate(steps):
-            if self.windows in pending:
-                pending.discard(self.windows)
-                self.validate(self.dummy_val_batches(), self.windows)
-            if self.model.mlp_fp8 is not None:  # the fp8 refresh mode the timed loop has at this step
-                self.model.mlp_fp8.refresh_calls = self.fp8_refreshes_before(step)
-            current, following = following, batches(steps[i + 1]) if i + 1 < len(steps) else None
-            self.train_step(step, current, following)
-        if pending:
-            raise RuntimeError(f"warmup: no warmup step runs at windows {sorted(pending)} of an intermediate "
-                               f"validation (warmup_steps must visit every stage)")
-        if self.graphs is not None and self.graphs.pending():
-            raise RuntimeError(f"warmup: CUDA-graph keys warmed once but never captured: {self.graphs.pending()} "
-                               f"(warmup_steps must visit every key twice)")
-        self.set_windows(schedule.final_windows(), yarn=False)
-        vocab = cfg.model.vocab_size
-        mask = torch.zeros((vocab, (vocab + 7) // 8), dtype=torch.uint8, device=self.setup.device) \
-            if cfg.canonical_mask else None
-        self.validate(self.dummy_val_batches(), schedule.final_windows(), mask)
+        # one order of collectives on every rank (perf/collective_order.py): each collective of the
+        # warmup is recorded with the run's position and its region call, and the ranks' sequences
+        # and the ordering rule are checked at the end, off the clock (no collective on 1 process)
+        import contextlib
+        from perf.collective_order import CollectiveRecorder
+        recorder = CollectiveRecorder(lambda: self.position) if self.setup.world_size > 1 else None
+        runner = self.region_runner
+        if recorder is not None:
+            self.region_runner = recorder.runner(runner)
+        try:
+            with recorder if recorder is not None else contextlib.nullcontext():
+                following = batches(steps[0]) if steps else None
+                for i, step in enumerate(steps):
+                    if self.windows in pending:
+                        pending.discard(self.windows)
+                        self.validate(self.dummy_val_batches(), self.windows)
+                    if self.model.mlp_fp8 is not None:  # the fp8 refresh mode the timed loop has at this step
+                        self.model.mlp_fp8.refresh_calls = self.fp8_refreshes_before(step)
+                    current, following = following, batches(steps[i + 1]) if i + 1 < len(steps) else None
+                    self.train_step(step, current, following)
+                if pending:
+                    raise RuntimeError(f"warmup: no warmup step runs at windows {sorted(pending)} of an intermediate "
+                                       f"validation (warmup_steps must visit every stage)")
+                if self.graphs is not None and self.graphs.pending():
+                    raise RuntimeError(f"warmup: CUDA-graph keys warmed once but never captured: "
+                                       f"{self.graphs.pending()} (warmup_steps must visit every key twice)")
+                self.set_windows(schedule.final_windows(), yarn=False)
+                vocab = cfg.model.vocab_size
+                mask = torch.zeros((vocab, (vocab + 7) // 8), dtype=torch.uint8, device=self.setup.device) \
+                    if cfg.canonical_mask else None
+                self.validate(self.dummy_val_batches(), schedule.final_windows(), mask)
+        finally:
+            self.region_runner = runner
+        if recorder is not None:  # the gather on the exchange's gloo group (a NCCL run), else the default one
+            log.print0(recorder.check_across_ranks(self.exchange.group if self.exchange is not None else None),
+                       console=True)
 
     def dummy_val_batches(self) -> list[list]:
         """One validation step of random tokens with the real validation geometry (one segment per
@@ -390,14 +436,16 @@ class Run:
             for name, t in self.model.state_dict().items():
                 if name in self.initial_state:  # tensors; the YaRN scales (extra state) reset below
                     t.copy_(self.initial_state[name], non_blocking=True)  # host → device, in place
-            self.table.rows.zero_()
+            if self.table is not None:
+                self.table.rows.zero_()
         # gradients zeroed in place, not released: the captured backward accumulates into them
         self.model.zero_grad(set_to_none=False)
         for buf in self.static_inputs.values():
             if buf.grad is not None:
                 buf.grad.zero_()
         self.manager.reset()
-        self.ngram_opt.reset()
+        if self.ngram_opt is not None:
+            self.ngram_opt.reset()
         for sampler in self.samplers:
             sampler.reset()
         self.model.reset_rotary()
@@ -422,7 +470,7 @@ class Run:
         for step_batches in zip(*batches):
             for host_batch in step_batches:
                 batch, plan, _ = self.upload(host_batch, 0)
-                rows = self.exchange.pull(self.table.rows, plan)
+                rows = self.exchange.pull(self.table.rows, plan) if self.exchange is not None else None
                 args = StepArgs(ws_short=windows[0], ws_long=windows[1], training=False,
                                 max_seq_len=batch.max_seq_len, canonical_mask=canonical_mask)
                 loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
@@ -477,10 +525,10 @@ def save_checkpoint(run: Run, step: int, logs_dir: Path, run_id: str) -> Path:
     if run.setup.is_master:
         atomic_save({"step": step, "config": asdict(run.cfg), "code": read_source(REPO_ROOT),
                      "model": run.model.state_dict(), "world_size": run.setup.world_size}, folder / "model.pt")
-    atomic_save({"ngram_lo": run.table.lo, "ngram_hi": run.table.hi, "ngram_rows": run.table.rows,
-                 "optimizer": {name: e.state for name, e in run.manager.entries.items()},
-                 "optimizer_split": run.manager.split, "ngram_state": run.ngram_opt.state},
-                folder / f"rank{run.setup.rank}.pt")
+    table = {"ngram_lo": run.table.lo, "ngram_hi": run.table.hi, "ngram_rows": run.table.rows,
+             "ngram_state": run.ngram_opt.state} if run.table is not None else {}  # features.ngram off: none
+    atomic_save({**table, "optimizer": {name: e.state for name, e in run.manager.entries.items()},
+                 "optimizer_split": run.manager.split}, folder / f"rank{run.setup.rank}.pt")
     return folder
 
 
@@ -492,7 +540,7 @@ def load_checkpoint(run: Run, folder: Path) -> int:
                                 f"--save-checkpoint: records/logs/<run_id>/state_stepNNNNNN)")
     saved = torch.load(model_file, map_location=run.setup.device, weights_only=False)
     run.model.load_state_dict(saved["model"])
-    for shard_file in sorted(folder.glob("rank*.pt")):
+    for shard_file in sorted(folder.glob("rank*.pt")) if run.table is not None else ():
         shard = torch.load(shard_file, map_location=run.setup.device, weights_only=False)
         lo, hi = max(shard["ngram_lo"], run.table.lo), min(shard["ngram_hi"], run.table.hi)
         if lo < hi:

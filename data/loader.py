@@ -6,7 +6,9 @@ cap, until it holds tokens_per_rank + 1 tokens (its last document is cut to fit,
 is dropped); rank 1 continues at the following BOS, and so on. Inputs are the first T tokens, targets
 the last T. Attention segments are the documents, further cut every VIRTUAL_SEQ_CAP tokens (masking
 only: the tokens are untouched). cu_seqlens has a fixed length per batch size (static shapes for
-compile and CUDA graphs). The n-gram row ids and sign rows are hashed here, on the host.
+compile and CUDA graphs). The n-gram row ids and sign rows are hashed here, on the host; a run
+without the n-gram table (features.ngram off) passes `**NO_NGRAM`: nothing is hashed and its
+batches' n-gram fields are None.
 
     from data.loader import TrainLoader, val_batches
     loader = TrainLoader("data/fineweb10B/fineweb_train_*.bin", rank, world_size)
@@ -35,6 +37,10 @@ import torch
 from data.ngram import NGRAM_HALF_ROWS, NGRAM_SIGN_POOL_ROWS, ngram_row_ids, ngram_sign_rows
 from data.shards import BOS_ID, check_token_ids, load_shard, read_shard, shard_num_tokens
 
+# ours: the loader's n-gram sizes for a model without the n-gram table (config.FeatureConfig.ngram
+# off): half_rows 0 means no hashing; the batches' ngram_ids and ngram_sign_rows are None.
+NO_NGRAM = {"ngram_half_rows": 0, "sign_pool_rows": 0}
+
 # Attention segments are cut every this many tokens inside a document (record #360 §6.2); only
 # reached when the doc cap (3072 from stage 2) exceeds it. Batches report min(doc cap, this) as
 # max_seq_len.
@@ -56,14 +62,14 @@ class Batch:
     inputs: torch.Tensor           # (T,) int32 token ids
     targets: torch.Tensor          # (T,) int64, inputs shifted by one
     cu_seqlens: torch.Tensor       # (R,) int32: 0, the segment ends, then T up to the fixed length R
-    ngram_ids: torch.Tensor        # (2T,) int32 n-gram table rows: bigram rows, then trigram rows
-    ngram_sign_rows: torch.Tensor  # (2T,) int32 sign-pool rows: bigram, then trigram
+    ngram_ids: torch.Tensor | None        # (2T,) int32 n-gram table rows: bigram rows, then trigram rows (None: no table)
+    ngram_sign_rows: torch.Tensor | None  # (2T,) int32 sign-pool rows: bigram, then trigram (None: no table)
     max_seq_len: int               # upper bound on a segment's length (static, for the attention kernel)
 
     def to(self, device, non_blocking: bool = False) -> Batch:
         """The same batch with every tensor on `device` (non_blocking needs pinned host tensors)."""
         moved = {f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-                 for f in fields(self) if f.name != "max_seq_len"}
+                 for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
 
 
@@ -101,17 +107,18 @@ def _make_batch(buf: np.ndarray, segment_ends: Sequence[int], max_seq_len: int, 
     """buf: (T+1,) token ids -> the Batch (host tensors)."""
     inputs = buf[:-1].astype(np.int32)  # (T,)
     tokens = inputs.size
+    hashed = half_rows > 0  # NO_NGRAM: a model without the n-gram table reads no hashes
     batch = Batch(
         inputs=torch.from_numpy(inputs),
         targets=torch.from_numpy(buf[1:].astype(np.int64)),
         cu_seqlens=padded_cu_seqlens(segment_ends, tokens, cu_seqlens_rows(tokens), what),
-        ngram_ids=ngram_row_ids(inputs, half_rows),
-        ngram_sign_rows=ngram_sign_rows(inputs, pool_rows),
+        ngram_ids=ngram_row_ids(inputs, half_rows) if hashed else None,
+        ngram_sign_rows=ngram_sign_rows(inputs, pool_rows) if hashed else None,
         max_seq_len=max_seq_len,
     )
     if pin_memory:  # page-locked, so the caller's .to(device, non_blocking=True) is asynchronous
         batch = replace(batch, **{f.name: getattr(batch, f.name).pin_memory()
-                                  for f in fields(batch) if f.name != "max_seq_len"})
+                                  for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)})
     return batch
 
 

@@ -30,6 +30,13 @@ post-warmup reset; `rescale_rotary(old, new)` when the (ws_short, ws_long) windo
 backward adds its row sums straight into the optimizer's fp16 cycle buffer (record #360 modules
 §10.5: `value_embeds` then never gets a dense `.grad`; without it the gradient is dense bf16).
 
+Feature switches (config.FeatureConfig, `--set features.X=false`): without `ngram` the model has no
+sign pool, no n-gram embedding and no n-gram injection (forward takes ngram_rows = ngram_sign_rows =
+None); without `value_embeds` no value_embeds / ve_gate_bank, nothing added to V but layer 10's MUDD
+mix, and the post-loop mix over its six other sources; without `prefix_loss` no prefix table; without
+`fp8` bf16 GEMMs and no fp8 caches. The gates and MUDD blocks keep the record's widths (their unused
+n-gram and value-embedding lanes are computed and dropped).
+
     python -m model.summary --config record    # every parameter and buffer, built on "meta"
 """
 from __future__ import annotations
@@ -41,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from config import ModelConfig
+from config import FeatureConfig, ModelConfig
 from model import mudd as M
 from model.attention import AttnArgs, CausalSelfAttention
 from model.embeddings import NUM_VALUE_EMBED_PLANES, SMEAR_CHANNELS, ngram_sign_pool, smear, value_embeddings
@@ -65,6 +72,11 @@ ATTN_GATE_LAYERS = (3, 10)
 VALUE_EMBED_LAYERS = (1, 2, 8, 10)  # planes 0, 1, 2, 3
 VALUE_EMBED_GATE_LAYERS = (1, 2, 8)  # ve_gate_bank rows 0, 1, 2
 VALUE_EMBED_GATE_CHANNELS = 6
+VALUE_EMBED_PARAMETERS = ("value_embeds", "ve_gate_bank")  # ours: absent with features.value_embeds off
+# ours (the value-embedding ablation): of the post-loop MUDD sources (cache[0], cache[7], cache[9], ve0,
+# cache[3], ve1, ve3, ve2, MLP input, late input), those left without value embeddings, by index into
+# block 1's 10 coefficients
+POST_LOOP_SOURCES_WITHOUT_VE = (0, 1, 2, 4, 8, 9)
 X0_INJECT_LAYERS = (0, 1, 2, 4, 5, 7)
 NGRAM_INJECT_LAYERS = (0, 1, 4, 5, 9)  # layer 0's happens before the loop
 POST_GATE_LAYER = 4
@@ -122,9 +134,13 @@ def norm(x: Tensor) -> Tensor:
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, fp8: bool = True,
-                 fused_residuals: bool = True):
+                 fused_residuals: bool = True, features: FeatureConfig = FeatureConfig()):
+        """fp8: the backend can run fp8 GEMMs (SPEEDRUN_FP8); training uses them when features.fp8
+        too. features: the record features this model has (config.FeatureConfig); a switched-off
+        one leaves no parameter, buffer or op behind (`switched_off_parameters`)."""
         super().__init__()
-        self.cfg, self.fp8, self.fused_residuals = cfg, fp8, fused_residuals
+        self.cfg, self.fused_residuals, self.features = cfg, fused_residuals, features
+        self.fp8 = fp8 and features.fp8
         V, D, H, hd = cfg.vocab_size, cfg.model_dim, cfg.num_heads, cfg.head_dim
         h = cfg.mudd_hidden_dim
         bound = math.sqrt(3) * 0.5 * D ** -0.5  # record #360: 1/32 at D = 768
@@ -135,8 +151,10 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(V, D)
         with torch.no_grad():
             self.embed.weight.copy_(self.lm_head.weight.t())  # tied at init
-        self.value_embeds = nn.Parameter(VALUE_EMBED_INIT_STD * torch.randn(NUM_VALUE_EMBED_PLANES * V, D))
-        self.ve_gate_bank = nn.Parameter(torch.zeros(len(VALUE_EMBED_GATE_LAYERS), H, 2 * VALUE_EMBED_GATE_CHANNELS))
+        if features.value_embeds:
+            self.value_embeds = nn.Parameter(VALUE_EMBED_INIT_STD * torch.randn(NUM_VALUE_EMBED_PLANES * V, D))
+            self.ve_gate_bank = nn.Parameter(torch.zeros(len(VALUE_EMBED_GATE_LAYERS), H,
+                                                         2 * VALUE_EMBED_GATE_CHANNELS))
         # qk: per slot H groups of two heads (Q0Q1, Q2Q3, ..., K4K5), each [2·hd, D]; padding zero
         self.qk_bank = nn.Parameter(torch.zeros(BANK_SLOTS_PADDED * H, 2 * hd, D))
         # vo: per slot its V [H·hd, D] and O [D, H·hd] (nn.Linear layouts); padding zero
@@ -174,15 +192,20 @@ class GPT(nn.Module):
         # (record #360 modules §10.2).
         self.mlp_bank.frozen_matrices = frozenset(2 * layer + k for layer in NO_MLP_LAYERS for k in (0, 1))
 
-        self.register_buffer("ngram_sign_pool", ngram_sign_pool(cfg).to(dtype))
-        self.register_buffer("prefix_table", torch.full((V,), -1, dtype=torch.long), persistent=False)
+        # switched-off features register nothing (the MUDD gates keep their n-gram lanes and the
+        # MUDD blocks their value-embedding and n-gram coefficients: those widths are the record's
+        # parameter shapes; the unused lanes are computed and dropped, a few columns of tiny GEMMs).
+        # A None buffer is neither in state_dict() nor in named_buffers().
+        self.register_buffer("ngram_sign_pool", ngram_sign_pool(cfg).to(dtype) if features.ngram else None)
+        self.register_buffer("prefix_table", torch.full((V,), -1, dtype=torch.long) if features.prefix_loss else None,
+                             persistent=False)
         self.yarn = Yarn(cfg.narrow_head_dim, cfg.narrow_head_dim, NARROW_ATTN_SCALE)
         self.yarn_paired = Yarn(cfg.narrow_head_dim, cfg.narrow_head_dim, NARROW_ATTN_SCALE, paired=True)
         self.yarn_wide = Yarn(cfg.head_dim, cfg.narrow_head_dim, WIDE_ATTN_SCALE)
         self.attn = nn.ModuleDict({
             str(i): CausalSelfAttention(H, hd, *attn_widths(i, cfg), paired=i in PAIRED_HEAD_LAYERS)
             for i in ATTN_LAYERS})
-        self.mlp_fp8 = Fp8MLPState(NUM_MLP_SLOTS, cfg.mlp_hidden_dim, D) if fp8 else None
+        self.mlp_fp8 = Fp8MLPState(NUM_MLP_SLOTS, cfg.mlp_hidden_dim, D) if self.fp8 else None
         self.value_embed_grad_buffer: Tensor | None = None  # the optimizer's, set by the training loop
 
     # --- hooks the training loop calls -------------------------------------------------------------
@@ -202,7 +225,15 @@ class GPT(nn.Module):
         if self.mlp_fp8 is not None:
             self.mlp_fp8.rearm()
 
+    @property
+    def switched_off_parameters(self) -> tuple[str, ...]:
+        """The record's parameters this model lacks because a feature is off (the optimizer's
+        table skips exactly these: optim/manager.py `absent`)."""
+        return () if self.features.value_embeds else VALUE_EMBED_PARAMETERS
+
     def set_prefix_table(self, table: Tensor) -> None:
+        if self.prefix_table is None:
+            raise ValueError("set_prefix_table: this model has no prefix table (features.prefix_loss is off)")
         with torch.no_grad():
             self.prefix_table.copy_(table)
 
@@ -256,13 +287,19 @@ class GPT(nn.Module):
         normed = norm(x)
         return normed, normed[:, :VALUE_EMBED_GATE_CHANNELS]
 
-    def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, ngram_rows: Tensor,
-                ngram_sign_rows: Tensor, step: StepArgs) -> Tensor:
-        cfg, T = self.cfg, inputs.numel()
+    def forward(self, inputs: Tensor, targets: Tensor, cu_seqlens: Tensor, ngram_rows: Tensor | None,
+                ngram_sign_rows: Tensor | None, step: StepArgs) -> Tensor:
+        cfg, T, features = self.cfg, inputs.numel(), self.features
         H, hd = cfg.num_heads, cfg.head_dim
-        if inputs.dim() != 1 or targets.shape != inputs.shape or ngram_rows.shape != (2 * T, cfg.model_dim):
-            raise ValueError(f"GPT.forward: inputs/targets must be [T] and ngram_rows [2T, {cfg.model_dim}], got "
-                             f"{tuple(inputs.shape)}, {tuple(targets.shape)}, {tuple(ngram_rows.shape)}")
+        if inputs.dim() != 1 or targets.shape != inputs.shape:
+            raise ValueError(f"GPT.forward: inputs/targets must be [T], got {tuple(inputs.shape)}, {tuple(targets.shape)}")
+        if features.ngram and (ngram_rows is None or ngram_rows.shape != (2 * T, cfg.model_dim)):
+            raise ValueError(f"GPT.forward: ngram_rows must be [2T, {cfg.model_dim}] = [{2 * T}, {cfg.model_dim}], got "
+                             f"{None if ngram_rows is None else tuple(ngram_rows.shape)}")
+        if not features.ngram and (ngram_rows is not None or ngram_sign_rows is not None):
+            raise ValueError("GPT.forward: features.ngram is off: pass ngram_rows=None and ngram_sign_rows=None")
+        if step.prefix_on and self.prefix_table is None:
+            raise ValueError("GPT.forward: a prefix weight was given but features.prefix_loss is off (no prefix table)")
         use_fp8 = step.training and self.fp8
         fp8_state = self.mlp_fp8 if use_fp8 else None
 
@@ -272,9 +309,10 @@ class GPT(nn.Module):
         r_attn, r_mlp = self.resid_lambdas.to(dt).unbind(1)  # record #360: λ's cast once per forward
         p_attn, p_mlp = self.post_lambdas.to(dt).unbind(1)
         sa = self.scalars.view(-1)[: 2 * NUM_LAYERS].view(NUM_LAYERS, 2)
-        ngram = ngram_embed(ngram_rows, self.ngram_sign_pool, ngram_sign_rows).to(dt)  # (T, D)
-        ve = value_embeddings(self.value_embeds, inputs, cfg.vocab_size, self.value_embed_grad_buffer)  # 4 × (T, D)
-        ve_of_layer = dict(zip(VALUE_EMBED_LAYERS, ve))
+        ngram = ngram_embed(ngram_rows, self.ngram_sign_pool, ngram_sign_rows).to(dt) if features.ngram else None  # (T, D)
+        ve = value_embeddings(self.value_embeds, inputs, cfg.vocab_size, self.value_embed_grad_buffer) \
+            if features.value_embeds else None  # 4 × (T, D)
+        ve_of_layer = dict(zip(VALUE_EMBED_LAYERS, ve)) if ve is not None else {}
         attn_w = self.attn_weights()
         mlp_w = [slot.unbind(0) for slot in self.mlp_bank.unbind(0)]  # 12 × (c_fc, c_proj)
         x = smear(x, self.smear_gate.weight, self.scalars[SMEAR_LAMBDA_INDEX])
@@ -284,7 +322,7 @@ class GPT(nn.Module):
         attn_gate = {layer: pre[:, s] for layer, s in M.PRE_GATE_ATTN_GATE.items()}
         x0_gate = {layer: pre[:, lane, None] for layer, lane in M.PRE_GATE_X0.items()}
         ngram_gate = {layer: pre[:, lane, None] for layer, lane in M.PRE_GATE_NGRAM.items()}
-        x = x0 + ngram * ngram_gate[0]
+        x = x0 + ngram * ngram_gate[0] if ngram is not None else x0
         cache = {0: x}
         late_input = None  # (norm(cache[7]), its head): shared by layers 8 and 10
 
@@ -307,14 +345,16 @@ class GPT(nn.Module):
             if i in ATTN_LAYERS:
                 if 7 in cache:  # layers 8 and 10 share one norm(cache[7])
                     if late_input is None:
-                        late_input = self._norm_with_head(cache[7])
+                        late_input = self._norm_with_head(cache[7]) if ve is not None else (norm(cache[7]), None)
                     a, a_head = late_input
-                elif i in VALUE_EMBED_GATE_LAYERS:
+                elif i in VALUE_EMBED_GATE_LAYERS and ve is not None:
                     a, a_head = self._norm_with_head(x)
                 else:
                     a, a_head = norm(x), None
                 aux_v = None
-                if i in VALUE_EMBED_GATE_LAYERS:
+                if ve is None:  # no value embeddings: only layer 10's MUDD mix reaches V
+                    aux_v = v_mudd if i == MUDD_LAYER else None
+                elif i in VALUE_EMBED_GATE_LAYERS:
                     w_gate = self.ve_gate_bank[VALUE_EMBED_GATE_LAYERS.index(i)]  # (H, 12)
                     v_emb = ve_of_layer[i]
                     gate_in = torch.cat([a_head, v_emb[:, :VALUE_EMBED_GATE_CHANNELS]], dim=-1)  # (T, 12)
@@ -334,7 +374,8 @@ class GPT(nn.Module):
                 out = self.attn[str(i)](a, *attn_w[i], args)  # (T, D)
                 if i == MUDD_LAYER:
                     x = mu[8] * x + mu[9] * out + mu[10] * cache[0]
-                    x = x + mu[11] * ngram
+                    if ngram is not None:
+                        x = x + mu[11] * ngram
                 elif fold_o_gain:
                     x = scale(r_attn[i], x) + out
                 else:
@@ -346,7 +387,7 @@ class GPT(nn.Module):
             if i != MUDD_LAYER:
                 if i in X0_INJECT_LAYERS:
                     x = x + x0 * x0_gate[i]
-                if i in NGRAM_INJECT_LAYERS and i != 0:
+                if i in NGRAM_INJECT_LAYERS and i != 0 and ngram is not None:
                     x = x + ngram * ngram_gate[i]
 
             # --- MLP slot ---
@@ -375,7 +416,12 @@ class GPT(nn.Module):
         mu_post, hidden = M.mudd_coefficients(x, self.mudd_w1[1], self.mudd_w2[1], self.mudd_b2[1],
                                               M.POST_LOOP_MUDD_COEFS)
         delta = M.mudd_group_deltas(hidden, self.mudd_w2g, M.POST_LOOP_MUDD_COEFS)
-        sources = [cache[0], cache[7], cache[9], ve[0], cache[3], ve[1], ve[3], ve[2], mlp_input_last, late_input[0]]
+        if ve is not None:
+            sources = [cache[0], cache[7], cache[9], ve[0], cache[3], ve[1], ve[3], ve[2], mlp_input_last, late_input[0]]
+        else:  # the six sources left, with their own coefficients (block 1 keeps its 10 outputs)
+            sources = [cache[0], cache[7], cache[9], cache[3], mlp_input_last, late_input[0]]
+            keep = list(POST_LOOP_SOURCES_WITHOUT_VE)
+            mu_post, delta = mu_post[:, keep], delta[:, keep]  # (T, 6), (T, 6, 12)
         x = norm(M.post_loop_mix(x, sources, mu_post, delta))  # (T, D)
 
         if not step.training:

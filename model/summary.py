@@ -2,6 +2,7 @@
 built on the meta device, so the record size costs no memory:
 
     python -m model.summary --config record                           # or dev, smoke
+    python -m model.summary --config smoke --set features.ngram=false # a feature switched off
 
 What one rank of a training run holds in device memory is `python -m perf.memory` (it builds the
 optimizer and the n-gram table too, which the model does not import).
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from config import MODEL_PRESETS, ModelConfig
+from config import RUN_PRESETS, FeatureConfig, ModelConfig
 from config_check import parse_preset_args
 from model.gpt import GPT
 
@@ -21,9 +22,9 @@ OPTIMIZER_GROUPS = {
 }
 
 
-def build_on_meta(cfg: ModelConfig) -> GPT:
+def build_on_meta(cfg: ModelConfig, features: FeatureConfig = FeatureConfig()) -> GPT:
     with torch.device("meta"):
-        return GPT(cfg)
+        return GPT(cfg, features=features)
 
 
 def summary_rows(model: GPT) -> list[tuple[str, str, str, str, int, str]]:
@@ -52,18 +53,23 @@ def format_summary(cfg: ModelConfig, model: GPT, world_size: int = 8) -> str:
     per_rank = cfg.ngram_rows // world_size
     lines += ["",
               f"parameters: {n_params:,}",
-              f"buffers: {n_buffers:,} elements",
-              f"n-gram table (not a parameter): {cfg.ngram_rows:,} rows × {cfg.model_dim} = "
-              f"{cfg.ngram_rows * cfg.model_dim:,} ({per_rank:,} rows, "
-              f"{per_rank * cfg.model_dim * 2 / 2 ** 30:.2f} GiB bf16 per rank on {world_size} ranks)"]
+              f"buffers: {n_buffers:,} elements"]
+    if model.features.ngram:
+        lines.append(f"n-gram table (not a parameter): {cfg.ngram_rows:,} rows × {cfg.model_dim} = "
+                     f"{cfg.ngram_rows * cfg.model_dim:,} ({per_rank:,} rows, "
+                     f"{per_rank * cfg.model_dim * 2 / 2 ** 30:.2f} GiB bf16 per rank on {world_size} ranks)")
+    else:
+        lines.append("n-gram table: none (features.ngram off: no table, sign pool or row exchange)")
+    if model.features.off():
+        lines.append(f"switched off: {', '.join(model.features.off())} (config.FeatureConfig)")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
-    args = parse_preset_args("python -m model.summary", __doc__, argv, MODEL_PRESETS, world_size_default=8,
+    args = parse_preset_args("python -m model.summary", __doc__, argv, RUN_PRESETS, world_size_default=8,
                              world_size_help="ranks the n-gram table is sharded over (default: 8)")
-    cfg = MODEL_PRESETS[args.config]
-    print(format_summary(cfg, build_on_meta(cfg), args.world_size))
+    cfg = args.run_config  # the preset, --set applied (model.* and features.* matter here)
+    print(format_summary(cfg.model, build_on_meta(cfg.model, cfg.features), args.world_size))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -58,6 +59,7 @@ from optim.row_exchange import RowExchange, RowPlan
 from optim.schedule import TrainingSchedule
 from perf.collectives import all_gather_single, reduce_scatter_single
 from perf.kernels.transpose import transpose_add_, transpose_into
+from perf.pinned_batches import PinnedStaging
 
 
 # record #360 (§7): launch the big bank reduce-scatters first; update the small parameters while
@@ -65,6 +67,7 @@ from perf.kernels.transpose import transpose_add_, transpose_into
 SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", VALUE_EMBEDS, LM_HEAD, EMBED)
 WORK_ORDER = ("qk_bank", "vo_bank", LM_HEAD, EMBED, VALUE_EMBEDS, "mlp_bank")
 MLP_BANK = "mlp_bank"
+SCALAR_STAGING_SLOTS = 16  # record #360: a 16-slot pinned ring for its per-step bank scalars
 
 
 @dataclass
@@ -146,6 +149,33 @@ class Entry:
         return self.held if self.held is not None else self.param.grad
 
 
+class ScalarTable:
+    """Every entry's 0-D device scalars (Entry.scalars) as views of one fp32 device table, written
+    from a host copy through reused pinned buffers: one host→device copy per step
+    (`OptimizerManager.load_scalars`) where a fill_ per scalar was a launch each (4 per bank, 2 per
+    Adam parameter: 40 at an Adam step of the record; perf/bench_host.py counts them). The host
+    copy keeps every scalar's current value, so the copy leaves the entries a step does not update
+    as they were; the values are rounded to fp32 on the host as fill_ rounds them (bitwise the same
+    device scalars). Built before any write, when the scalars still hold their initial zeros."""
+
+    def __init__(self, entries: dict[str, Entry]):
+        slots = [(name, k) for name, e in entries.items() for k, t in e.scalars.items() if t.dim() == 0]
+        device = entries[slots[0][0]].scalars[slots[0][1]].device if slots else torch.device("cpu")
+        self.index = {slot: i for i, slot in enumerate(slots)}
+        self.host = np.zeros(len(slots), dtype=np.float32)                    # (K,)
+        self.device = torch.zeros(len(slots), dtype=torch.float32, device=device)  # (K,)
+        for (name, k), i in self.index.items():
+            entries[name].scalars[k] = self.device[i]  # a 0-D view, in place of the entry's own scalar
+        self.staging = PinnedStaging(device, slots=SCALAR_STAGING_SLOTS)
+
+    def set(self, name: str, **values: float) -> None:
+        for key, value in values.items():
+            self.host[self.index[(name, key)]] = value
+
+    def upload(self) -> None:
+        self.staging.to_device([self.host], torch.float32, out=self.device)
+
+
 class OptimizerManager:
     """ANVIL/NorMuon for the banks, Adam for the rest, sharded over the default process group
     (or one process when torch.distributed is not initialized)."""
@@ -154,8 +184,12 @@ class OptimizerManager:
                  cfg: OptimConfig = OptimConfig(), table: dict[str, ParamRule] = RECORD_PARAM_TABLE,
                  frozen_matrices: dict[str, Iterable[int]] | None = None,
                  layout: tuple[int, int] | None = None, keep_grads: bool = False,
-                 defer_gathers: bool = False):
-        """frozen_matrices: bank name -> matrix indices (of the [matrices, rows, cols] view) that get
+                 defer_gathers: bool = False, absent: Iterable[str] = ()):
+        """absent: entries of `table` the model lacks on purpose, a feature being off
+        (GPT.switched_off_parameters: value_embeds, ve_gate_bank); they get no entry, state or
+        collective, and the rest keep their order. Any other table entry without a parameter is
+        still an error (build_param_table).
+        frozen_matrices: bank name -> matrix indices (of the [matrices, rows, cols] view) that get
         lr 0 and so never move. Without it, a bank's own `frozen_matrices` attribute is used (the
         record model marks mlp slot 7, layer 7 having no MLP: matrices 14 and 15).
         layout: (rank, world_size) to shard for instead of the process group's, for sizing the
@@ -179,6 +213,11 @@ class OptimizerManager:
             self.world_size = dist.get_world_size() if distributed else 1
             self.rank = dist.get_rank() if distributed else 0
         self.entries: dict[str, Entry] = {}
+        absent = set(absent)
+        unknown = absent - set(table)
+        if unknown:
+            raise ValueError(f"absent parameters {sorted(unknown)} are not in the optimizer table")
+        table = {name: rule for name, rule in table.items() if name not in absent}
         for name, (param, rule) in build_param_table(named_parameters, table).items():
             if frozen_matrices is not None:
                 frozen = frozenset(frozen_matrices.get(name, ()))
@@ -326,9 +365,13 @@ class OptimizerManager:
         return self._phase(step, self.tied and step <= self.schedule.split_step)
 
     def _phase(self, step: int, tied: bool) -> "OptimizerPhase":
-        return OptimizerPhase(adam=self.schedule.is_adam_step(step), table_event=self.schedule.is_table_event(step),
-                              tied=tied,
-                              period4=self.schedule.table_period4(step), rails=self.schedule.rails_engaged(step))
+        # the table cadence's flags select kernels only when a table-cadence parameter exists (none
+        # without value embeddings: then fewer keys, so fewer captured graphs)
+        table = any(e.rule.cadence == "table" for e in self.entries.values())
+        return OptimizerPhase(adam=self.schedule.is_adam_step(step),
+                              table_event=table and self.schedule.is_table_event(step), tied=tied,
+                              period4=table and self.schedule.table_period4(step),
+                              rails=self.schedule.rails_engaged(step))
 
     # --- the step ---------------------------------------------------------------------------
     def _due(self, step: int) -> list[str]:
@@ -336,30 +379,36 @@ class OptimizerManager:
         return [name for name, e in self.entries.items()
                 if self.updates_at(e, step) and (e.held is not None or e.param.grad is not None)]
 
+    _scalar_table: "ScalarTable | None" = None  # load_scalars builds it at its first call
+
     @torch.no_grad()
     def load_scalars(self, step: int) -> None:
         """Write `step`'s hyperparameters into the due entries' device scalars (Entry.scalars) and
         advance the Adam step counts: the host half of `step(step)`, run before it and outside a
         captured update, so that the update reads only device memory whose values change in place
         (no per-step Python number becomes a kernel argument; a replay runs no Python). `step`
-        calls it itself when the caller has not."""
+        calls it itself when the caller has not.
+
+        The 0-D scalars are views of one table (`ScalarTable`): the values are written on the host
+        and reach the device in one copy; the banks' per-matrix eff_lr is computed on the device
+        (its multipliers live there), a multiply and a copy each, as before."""
+        table = self._scalar_table
+        if table is None:  # the first load: every scalar still holds its initial zero
+            table = self._scalar_table = ScalarTable(self.entries)
         for name in self._due(step):
             e = self.entries[name]
-            sc = e.scalars
             if e.rule.optim == "bank":
                 host = self.bank_scalars(e, step)
                 self._bank_host[name] = host
-                sc["eff_lr"].copy_(host.eff_lr)
-                sc["momentum"].fill_(host.momentum)
-                sc["eff_wd"].fill_(host.eff_wd)
-                sc["fast_beta"].fill_(host.fast_beta)
-                sc["momentum_lerp"].fill_(1 - host.momentum)  # NorMuon's lerp weight, rounded once as before
+                e.scalars["eff_lr"].copy_(host.eff_lr)
+                table.set(name, momentum=host.momentum, eff_wd=host.eff_wd, fast_beta=host.fast_beta,
+                          momentum_lerp=1 - host.momentum)  # NorMuon's lerp weight, rounded once as before
             else:
                 e.state.step += 1
                 betas, lr, wd = self.adam_hparams(e, step)
                 step_size, decay = adam_step_scalars(lr, betas, e.state.step, wd)
-                sc["step_size"].fill_(step_size)
-                sc["decay"].fill_(decay)
+                table.set(name, step_size=step_size, decay=decay)
+        table.upload()
         self._loaded = step
 
     def _bank_device_scalars(self, entry: Entry) -> BankStepScalars:
@@ -599,6 +648,9 @@ class NgramRowOptimizer:
         merged = torch.zeros((plan.unique.size, d), dtype=torch.float32, device=self.shard.device)  # (U, D)
         merged.index_add_(0, plan.inverse_dev, sink_grad.float())
         self._held.append((plan, merged))
+        # when the cycle's last plans are known (training.Run.prefetch announced them), the event's
+        # push routes are planned now, on the exchange's prep thread, a step before `step` needs them
+        self.exchange.prepare_push([p for p, _ in self._held])
 
     @torch.no_grad()
     def step(self, step: int) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from config import SCHEDULE_PRESETS, ConfigError, ScheduleConfig, StageConfig
+from config import SCHEDULE_PRESETS, ConfigError, FeatureConfig, ScheduleConfig, StageConfig
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,12 @@ class StepSettings:
 
 
 class TrainingSchedule:
-    """Per-step values of one ScheduleConfig."""
+    """Per-step values of one ScheduleConfig. `features` (config.FeatureConfig) switches loss
+    terms off for every step: without `mtp` one weight (1.0,), without `prefix_loss` a prefix weight
+    of 0 (no term: StepWeights gives None), without `sampled_softmax` P = 0 (the full softmax). The
+    geometries follow, so an ablated run compiles and captures fewer graphs."""
 
-    def __init__(self, cfg: ScheduleConfig):
+    def __init__(self, cfg: ScheduleConfig, features: FeatureConfig = FeatureConfig()):
         n_duration = len(cfg.stage_durations)
         if len(cfg.stages) != n_duration + 2:
             raise ValueError(f"ScheduleConfig.stages: expected {n_duration + 2} stages "
@@ -78,7 +81,7 @@ class TrainingSchedule:
         if not 0 < cfg.taper_duration < cfg.stage_durations[-1] / sum(cfg.stage_durations):
             raise ValueError(f"ScheduleConfig.taper_duration={cfg.taper_duration} must be positive "
                              "and shorter than the last timed stage")
-        self.cfg = cfg
+        self.cfg, self.features = cfg, features
         self.scheduled_steps = cfg.base_steps + cfg.growth_steps  # record: 1174
         self.total_steps = self.scheduled_steps + cfg.extension_steps  # record: 1194
         self.stage_ends = self._stage_ends()
@@ -155,10 +158,14 @@ class TrainingSchedule:
 
     def mtp_weights(self, step: int) -> tuple[float, ...]:
         """Weights of the next-token and multi-token-prediction losses (length changes by stage)."""
+        if not self.features.mtp:
+            return (1.0,)  # the next-token loss alone
         span, t = self.progress(step)
         return tuple(a + (b - a) * t for a, b in zip(span.stage.mtp_start, span.stage.mtp_end))
 
     def prefix_weight(self, step: int) -> float:
+        if not self.features.prefix_loss:
+            return 0.0  # no prefix term (StepWeights.load gives None)
         span, t = self.progress(step)
         w = span.stage.prefix_weights
         return w[min(len(w) - 1, int(t * len(w)))]
@@ -166,7 +173,7 @@ class TrainingSchedule:
     def softmax_p(self, step: int) -> int:
         """Sampled-softmax candidate count; 0 = full softmax (stages without counts, and the
         validation step). Record #360 code: 681/823/965, off at 1107 (its README: 961 and 1101)."""
-        if step >= self.total_steps:
+        if step >= self.total_steps or not self.features.sampled_softmax:
             return 0
         span = self.span(step)
         counts = span.stage.softmax_p
@@ -258,6 +265,7 @@ def format_stage_table(sched: TrainingSchedule, world_size: int = 8) -> str:
             f"{cfg.lr_floor}  rails engage at {cfg.rail_engage_step}  table events every 4th step "
             f"from {cfg.table_period4_step}",
             f"final validation windows (blocks of {cfg.block_size}) {sched.final_windows()}",
+            *([f"switched off: {', '.join(sched.features.off())} (config.FeatureConfig)"] if sched.features.off() else []),
             ""]
     header = (f"{'#':>2} {'steps':>11} {'batch':>8} {'/rank':>7} {'doc cap':>7} {'ws (s,l)':>9} "
               f"{'lr_mult start->end':>19}  {'MTP start -> end':<34} {'prefix':<22} P")
@@ -275,7 +283,7 @@ def format_stage_table(sched: TrainingSchedule, world_size: int = 8) -> str:
         rows.append(f"{span.index:>2} {span.start:>5}-{last:<5} {s.batch_tokens:>8} "
                     f"{s.batch_tokens // world_size:>7} {s.doc_cap:>7} {str((s.ws_short, s.ws_long)):>9} "
                     f"{sched.lr_mult(span.start):>8.5f} ->{sched.lr_mult(last):>8.5f}  {mtp:<34} "
-                    f"{str(s.prefix_weights):<22} {p_text}")
+                    f"{str(s.prefix_weights if sched.features.prefix_loss else (0.0,)):<22} {p_text}")
     return "\n".join(rows)
 
 
@@ -312,7 +320,8 @@ def plot_schedule(sched: TrainingSchedule, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from config_check import ArgumentParser, check_preset, exit_on_config_error, positive_int
+    from config_check import (ArgumentParser, add_set_argument, check_preset, exit_on_config_error, positive_int,
+                              preset_run_config)
 
     with exit_on_config_error("python -m optim.schedule"):
         parser = ArgumentParser(prog="python -m optim.schedule", description=__doc__.split("\n\n")[0],
@@ -321,14 +330,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--plot", metavar="FILE.png", help="also draw lr, rail beta, batch and P by step")
         parser.add_argument("--world-size", type=positive_int, default=None,
                             help="ranks, for the per-rank batch column (default: the preset's: 8, smoke 2)")
+        add_set_argument(parser)  # e.g. --set features.mtp=false, --set schedule.base_steps=600
         args = parser.parse_args(argv)
         check_preset(args.config, SCHEDULE_PRESETS)
         if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
             raise ConfigError(f"--plot {args.plot}: its folder does not exist")
-    sched = TrainingSchedule(SCHEDULE_PRESETS[args.config])
-    from config import RUN_PRESETS
+        cfg = preset_run_config(args.config, args.assignments)
+        try:
+            sched = TrainingSchedule(cfg.schedule, cfg.features)
+        except ValueError as e:
+            raise ConfigError(f"the schedule cannot be built: {e}") from None
 
-    print(format_stage_table(sched, args.world_size or RUN_PRESETS[args.config].virtual_world_size))
+    print(format_stage_table(sched, args.world_size or cfg.virtual_world_size))
     if args.plot:
         plot_schedule(sched, args.plot)
         print(f"wrote {args.plot}")

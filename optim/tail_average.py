@@ -76,6 +76,8 @@ class TailAverages:
                         lambda s: cfg.tail_avg_rate if schedule.is_table_event(s) else None,
                         {VALUE_EMBEDS: None}),
         ]
+        # a parameter switched off (config.FeatureConfig: value_embeds) has no average
+        self.accumulators = [a for a in self.accumulators if all(n in manager.entries for n in a.names)]
         # Allocated now, before the clock.
         for acc in self.accumulators:
             for name in acc.names:
@@ -104,7 +106,7 @@ class TailAverages:
 
     def ship_order(self) -> list[Accumulator]:
         by_tag = {a.tag: a for a in self.accumulators}
-        return [by_tag[t] for t in ("tail-ema", "tail-avg", "value-embed-avg", "bank-blend")]
+        return [by_tag[t] for t in ("tail-ema", "tail-avg", "value-embed-avg", "bank-blend") if t in by_tag]
 
     @torch.no_grad()
     def ship(self) -> None:

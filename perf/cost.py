@@ -227,8 +227,12 @@ def geometry_cost(rank, settings, steps) -> GeometryCost:
     # column (P sampled, or the vocabulary); the n-gram rows: 2T bf16 rows pulled into the sink and
     # read by the forward, their fp32 gradients written and merged
     classes = settings.softmax_p or cfg.model.vocab_size
-    hbm = {"cross-entropy logits (e4m3 + e5m2 grad)": 3 * T * classes * A,
-           "n-gram rows (bf16 gather, fp32 grads)": 2 * T * D * (2 + 2 + 4 + 4) * A}
+    if cfg.features.fp8:
+        hbm = {"cross-entropy logits (e4m3 + e5m2 grad)": 3 * T * classes * A}
+    else:  # features.fp8 off: at least bf16 logits written and read and a bf16 gradient written
+        hbm = {"cross-entropy logits (bf16 + bf16 grad)": 6 * T * classes * A}
+    if cfg.features.ngram:  # (features.ngram off: no rows)
+        hbm["n-gram rows (bf16 gather, fp32 grads)"] = 2 * T * D * (2 + 2 + 4 + 4) * A
     return GeometryCost(settings, steps, T, A, {k: counter.flops[k] * A for k in KINDS}, hbm)
 
 
@@ -293,7 +297,7 @@ def ngram_sent_bytes(cfg: RunConfig, world_size: int, tokens: int, accum: int, t
     """What one rank sends per step for the n-gram rows (optim/row_exchange.py): the rows others pull
     from it (bf16, as many as it pulls on average) and, at a table event, the cycle's gradient rows
     owned elsewhere (fp32). The ids themselves go over the host group and are left out."""
-    if world_size == 1:
+    if world_size == 1 or not cfg.features.ngram:
         return {}
     D, remote = cfg.model.model_dim, (world_size - 1) / world_size
     ids = 2 * tokens * accum  # a bigram and a trigram id per token
@@ -386,8 +390,10 @@ def _g(flops: float) -> str:
 def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> str:
     cfg, W = cost.cfg, cost.world_size
     n = len({s for g in cost.geometries for s in g.steps})
+    off = cfg.features.off()
     lines = [f"--config {cfg.name}, {W} process(es) × {cost.geometries[0].accum} virtual rank(s); one rank's "
-             f"step, GFLOP (forward + backward), counted on meta", ""]
+             f"step, GFLOP (forward + backward), counted on meta"
+             + (f"; switched off: {', '.join(off)} (config.FeatureConfig)" if off else ""), ""]
     head = (f"{'steps':>11} {'n':>4} {'T/rank':>7} {'P':>6} " + " ".join(f"{k:>10}" for k in KINDS)
             + f" {'6·N·T':>10} {'floor ms':>9}")
     matmul_params = _matmul_params(cost)
@@ -427,7 +433,7 @@ def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> str:
               f"TFLOP/s; HBM at {peak.hbm_tb_per_s} TB/s), communication {comm:.2f} s (at {peak.link_gb_per_s:.0f} GB/s "
               f"sent per GPU)",
               f"    overlapped (max per step) {overlapped:.2f} s, serial (sum) {serial:.2f} s"]
-    if cfg.name == "record":
+    if cfg.name == "record" and not off:
         lines.append(f"    record #360: {RECORD_SECONDS} s = {RECORD_SECONDS / overlapped:.2f}× the overlapped floor, "
                      f"{RECORD_SECONDS / serial:.2f}× the serial one")
     lines.append("  left out: launch gaps, the host, the warmup and validation (off the clock), pointwise work "
@@ -440,7 +446,7 @@ def _matmul_params(cost: ScheduleCost) -> int:
     gate matrices; the embeddings, value embeddings and n-gram table are lookups."""
     from model.summary import build_on_meta
 
-    model = build_on_meta(cost.cfg.model)
+    model = build_on_meta(cost.cfg.model, cost.cfg.features)
     lookups = ("embed", "value_embeds")
     return sum(p.numel() for name, p in model.named_parameters()
                if p.dim() >= 2 and not any(name.startswith(k) for k in lookups))
@@ -451,7 +457,7 @@ def main(argv=None) -> None:
                              world_size_help="processes (default: the preset's ranks, 8 for record and dev; "
                                              "2 for smoke)",
                              ranks_of=lambda name: RUN_PRESETS[name].virtual_world_size)
-    cfg = RUN_PRESETS[args.config]
+    cfg = args.run_config  # the preset, --set applied (e.g. --set features.sampled_softmax=false)
     print(format_cost(schedule_cost(cfg, args.world_size)))
 
 

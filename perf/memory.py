@@ -3,6 +3,7 @@ meta device, so the record size costs no memory:
 
     python -m perf.memory --config record                           # per rank, 8 ranks
     python -m perf.memory --config dev --world-size 1               # one GPU
+    python -m perf.memory --config record --set features.ngram=false # an ablation (any --set)
 The memory report (`memory_report`) has three parts:
 * static: what a rank holds for the whole run, from the real classes built on "meta" (GPT, an
   OptimizerManager answering as rank 0 of W, NgramTable, the n-gram row optimizer, TailAverages,
@@ -15,6 +16,8 @@ The memory report (`memory_report`) has three parts:
   memory over time (a dispatch mode that follows every storage an op creates until it is freed),
   whose maximum counts the saved tensors plus the temporaries of that moment;
 * the estimate: static + the worst geometry's (inputs + held n-gram gradients + activation peak).
+`main` adds the CUDA-graph capture check's cost per captured key (device reads, host copies, the
+bound on its host memory: perf/cuda_graphs/cost.py), before the estimate's closing lines.
 The record preset takes about 6 s on a 2-core CPU (every geometry, forward and backward).
 """
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 from config import RUN_PRESETS, RunConfig
 from config_check import parse_preset_args
-from data.loader import dummy_batch
+from data.loader import NO_NGRAM, dummy_batch
 from data.ngram import ngram_hash_sizes
 from model import attention as model_attention
 from model.embeddings import NgramTable
@@ -41,6 +44,7 @@ from optim.manager import NgramRowOptimizer, OptimizerManager
 from optim.schedule import StepSettings, StepWeights, TrainingSchedule
 from optim.tail_average import TailAverages
 from perf.backend import current as current_backend, use_backend
+from perf.cuda_graphs.cost import capture_check_cost, format_capture_check
 
 GIB = 2 ** 30
 
@@ -119,8 +123,8 @@ class RankOnMeta:
     schedule: TrainingSchedule
     model: GPT
     manager: OptimizerManager
-    table: NgramTable
-    ngram_opt: NgramRowOptimizer
+    table: NgramTable | None  # None: features.ngram off
+    ngram_opt: NgramRowOptimizer | None
     tails: TailAverages
     step_weights: StepWeights
     canonical_mask: Tensor | None
@@ -132,8 +136,9 @@ class RankOnMeta:
 
     def static_tensors(self) -> list[Tensor]:
         """Every tensor above that lives for the whole run (parameters, buffers, states)."""
-        out = [*self.model.parameters(), *self.model.buffers(), self.table.rows,
-               *_fields(self.ngram_opt.state), *_fields(self.step_weights)]
+        out = [*self.model.parameters(), *self.model.buffers(), *_fields(self.step_weights)]
+        if self.table is not None:
+            out += [self.table.rows, *_fields(self.ngram_opt.state)]
         for e in self.manager.entries.values():
             out += [*_fields(e.state), *(t for t in (e.held, e.matrix_mults) if t is not None)]
         for acc in self.tails.accumulators:
@@ -148,20 +153,26 @@ def _fields(obj) -> list[Tensor]:
 
 
 def build_rank_on_meta(cfg: RunConfig, world_size: int, rank: int = 0) -> RankOnMeta:
-    """Run.__init__'s device allocations for `rank` of `world_size` processes, on "meta" (fp8 on)."""
+    """Run.__init__'s device allocations for `rank` of `world_size` processes, on "meta" (fp8 on
+    unless features.fp8 is off; switched-off features allocate nothing, as in the run)."""
     if world_size < 1 or cfg.virtual_world_size % world_size:
         raise ValueError(f"--world-size {world_size}: the {cfg.name} preset splits its batch over "
                          f"{cfg.virtual_world_size} ranks, so the process count must divide it")
-    schedule = TrainingSchedule(cfg.schedule)
+    features = cfg.features
+    schedule = TrainingSchedule(cfg.schedule, features)
     with torch.device("meta"):
-        model = GPT(cfg.model, fp8=True)
-        manager = OptimizerManager(model.named_parameters(), schedule, cfg.optim, layout=(rank, world_size))
-        model.value_embed_grad_buffer = manager.cycle_gradient("value_embeds")
-        table = NgramTable(cfg.model, rank, world_size, device="meta")
-        # the row optimizer reads only the exchange's split (a RowExchange needs a process group)
-        split = SimpleNamespace(num_rows=cfg.model.ngram_rows, rows_per_rank=table.rows.size(0),
-                                rank=rank, world_size=world_size)
-        ngram_opt = NgramRowOptimizer(table.rows, table.rows.size(0), manager, split)
+        model = GPT(cfg.model, fp8=True, features=features)
+        manager = OptimizerManager(model.named_parameters(), schedule, cfg.optim, layout=(rank, world_size),
+                                   absent=model.switched_off_parameters)
+        if features.value_embeds:
+            model.value_embed_grad_buffer = manager.cycle_gradient("value_embeds")
+        table = ngram_opt = None
+        if features.ngram:
+            table = NgramTable(cfg.model, rank, world_size, device="meta")
+            # the row optimizer reads only the exchange's split (a RowExchange needs a process group)
+            split = SimpleNamespace(num_rows=cfg.model.ngram_rows, rows_per_rank=table.rows.size(0),
+                                    rank=rank, world_size=world_size)
+            ngram_opt = NgramRowOptimizer(table.rows, table.rows.size(0), manager, split)
         tails = TailAverages(manager, schedule)
         step_weights = StepWeights(schedule, "meta")
         V = cfg.model.vocab_size
@@ -206,12 +217,13 @@ def static_items(rank: RankOnMeta) -> list[MemoryItem]:
             items.append(MemoryItem(f"{name} cycle gradient", nbytes(e.held),
                                     f"fp16 {_shape(e.held)}: the table cycle's gradient sum"))
     t = rank.table
-    items.append(MemoryItem("n-gram table shard", nbytes(t.rows),
-                            f"bf16 {_shape(t.rows)}: rows {t.lo:,}-{t.hi:,} of {t.num_rows:,}"))
-    st = rank.ngram_opt.state
-    items.append(MemoryItem("n-gram row Adam state", sum(map(nbytes, _fields(st))),
-                            f"second moment fp32, last event int32 per row; "
-                            f"{st.log_beta2_sum.numel():,} fp64 log-β2 sums"))
+    if t is not None:  # (features.ngram off: neither)
+        items.append(MemoryItem("n-gram table shard", nbytes(t.rows),
+                                f"bf16 {_shape(t.rows)}: rows {t.lo:,}-{t.hi:,} of {t.num_rows:,}"))
+        st = rank.ngram_opt.state
+        items.append(MemoryItem("n-gram row Adam state", sum(map(nbytes, _fields(st))),
+                                f"second moment fp32, last event int32 per row; "
+                                f"{st.log_beta2_sum.numel():,} fp64 log-β2 sums"))
     fp8 = dict(m.mlp_fp8.named_buffers()) if m.mlp_fp8 is not None else {}
     items.append(MemoryItem("fp8 MLP caches (Fp8MLPState)", sum(map(nbytes, fp8.values())),
                             "e4m3 W1, W2 in both layouts, per-slot scales and tile amaxes"))
@@ -350,29 +362,34 @@ class MetaStep:
     inputs: list[Tensor]  # every tensor the step feeds the model
     args: StepArgs
     tokens: int  # T, per virtual rank
+    rows: Tensor | None  # the n-gram sink leaf [2T, D] (None: features.ngram off)
 
     def forward(self, model: GPT) -> Tensor:
         b = self.batch
-        return model(b.inputs, b.targets, b.cu_seqlens, self.inputs[5], b.ngram_sign_rows, self.args)
+        return model(b.inputs, b.targets, b.cu_seqlens, self.rows, b.ngram_sign_rows, self.args)
 
 
 def meta_step(rank: RankOnMeta, settings: StepSettings, steps: list[int]) -> MetaStep:
     """The inputs `training.Run.train_step` gives the model at `settings`' geometry, on "meta"."""
     cfg, m, D = rank.cfg, rank.model, rank.cfg.model.model_dim
     T = settings.batch_tokens // cfg.virtual_world_size
+    ngram = rank.table is not None
     host = dummy_batch(T, settings.doc_cap, virtual_seq_cap=cfg.schedule.virtual_seq_cap,
-                       **ngram_hash_sizes(cfg.model))
+                       **(ngram_hash_sizes(cfg.model) if ngram else NO_NGRAM))
     with torch.device("meta"):
         batch = host.to("meta")
-        rows = torch.empty(2 * T, D, dtype=m.ngram_sign_pool.dtype, requires_grad=True)  # the sink leaf
-        inverse = torch.empty(2 * T, dtype=torch.int64)  # the plan's inverse map (RowPlan.inverse_dev)
+        rows = inverse = None
+        if ngram:
+            rows = torch.empty(2 * T, D, dtype=m.ngram_sign_pool.dtype, requires_grad=True)  # the sink leaf
+            inverse = torch.empty(2 * T, dtype=torch.int64)  # the plan's inverse map (RowPlan.inverse_dev)
         candidates = torch.empty(settings.softmax_p, dtype=torch.int64) if settings.softmax_p else None
         mtp, prefix = rank.step_weights.load(steps[0])
-    inputs = [batch.inputs, batch.targets, batch.cu_seqlens, batch.ngram_ids, batch.ngram_sign_rows,
-              rows, inverse] + ([candidates] if candidates is not None else [])
+    inputs = [batch.inputs, batch.targets, batch.cu_seqlens] + \
+        ([batch.ngram_ids, batch.ngram_sign_rows, rows, inverse] if ngram else []) + \
+        ([candidates] if candidates is not None else [])
     args = StepArgs(ws_short=settings.ws_short, ws_long=settings.ws_long, mtp_weights=mtp,
                     prefix_weight=prefix, candidates=candidates, training=True, max_seq_len=batch.max_seq_len)
-    return MetaStep(host, batch, inputs, args, T)
+    return MetaStep(host, batch, inputs, args, T, rows)
 
 
 def step_memory(rank: RankOnMeta, settings: StepSettings, steps: list[int], flash: bool = True) -> StepMemory:
@@ -400,11 +417,12 @@ def step_memory(rank: RankOnMeta, settings: StepSettings, steps: list[int], flas
     # per virtual rank and step, U <= 2T distinct rows; at most (cycle - 1)·A + A - 1 of them are
     # held during a forward, cycle = 4 steps from table_period4_step on, else 2
     cycle = 4 if any(rank.schedule.table_period4(s) for s in steps) else 2
-    held = ((cycle - 1) * rank.accum + rank.accum - 1) * 2 * T * D * 4
+    held = ((cycle - 1) * rank.accum + rank.accum - 1) * 2 * T * D * 4 if rank.table is not None else 0
     # the row prefetch (training.Run.prefetch) holds the next step's pulls across this forward and
     # backward, per virtual rank: the rows received (U <= 2T distinct, bf16) and, on several
     # ranks, the rows this rank serves the others (2T on average), at this geometry's T
-    pulls = (1 if rank.world_size == 1 else 2) * rank.accum * 2 * T * D * 2 if current_backend().row_prefetch else 0
+    pulls = (1 if rank.world_size == 1 else 2) * rank.accum * 2 * T * D * 2 \
+        if current_backend().row_prefetch and rank.table is not None else 0
     return StepMemory(settings, len(steps), T, sum(map(nbytes, inputs)), held, pulls, sum(i.bytes for i in saved.values()),
                       sorted(saved.values(), key=lambda i: -i.bytes), tracker.peak(0, forward_end),
                       tracker.peak(forward_end, backward_end, grads), tracker.temporaries(0, forward_end))
@@ -435,10 +453,13 @@ def memory_report(cfg: RunConfig, world_size: int) -> MemoryReport:
                         [step_memory(rank, s, steps) for s, steps in geometries(rank.schedule)])
 
 
-def format_memory(report: MemoryReport, top: int = 6) -> str:
+def format_memory(report: MemoryReport, top: int = 6, capture: str | None = None) -> str:
+    """The report as text; capture: a section inserted before the closing paragraph (main's capture check)."""
     rank, cfg = report.rank, report.rank.cfg
+    off = cfg.features.off()
     lines = [f"memory of one training rank: --config {cfg.name}, {rank.world_size} process(es) × "
-             f"{rank.accum} accumulation step(s), fp8 training, rank 0's shards (1 GiB = 2^30 bytes)", ""]
+             f"{rank.accum} accumulation step(s), {'fp8' if cfg.features.fp8 else 'bf16'} training, rank 0's "
+             f"shards (1 GiB = 2^30 bytes)" + (f"; switched off: {', '.join(off)}" if off else ""), ""]
     width = max(len(i.name) for i in report.static) + 2
     lines.append(f"{'static, device':<{width}} {'GiB':>7}  what")
     for item in (i for i in report.static if i.where == "device"):
@@ -475,6 +496,8 @@ def format_memory(report: MemoryReport, top: int = 6) -> str:
     lines += [f"largest temporaries of that forward (created and freed inside it); its peak holds "
               f"{_gib(w.forward_peak - w.saved)} GiB more than the saved total:"]
     lines += [f"  {str(i):<32} {_gib(i.bytes):>7} GiB" for i in w.temporaries[:top]]
+    if capture:
+        lines += ["", capture]
     lines += ["",
               "the estimate is static (device) + the worst geometry's step column: what the allocator must hand "
               "out at once. It leaves out the CUDA context and NCCL buffers, allocator caching and fragmentation "
@@ -491,8 +514,9 @@ def main(argv=None) -> None:
                              world_size_help="processes (default: the preset's ranks); each plays the others' "
                                              "batches by gradient accumulation",
                              ranks_of=lambda name: RUN_PRESETS[name].virtual_world_size)
-    cfg = RUN_PRESETS[args.config]
-    print(format_memory(memory_report(cfg, args.world_size or cfg.virtual_world_size)))
+    cfg = args.run_config  # the preset, --set applied (e.g. --set features.ngram=false)
+    report = memory_report(cfg, args.world_size or cfg.virtual_world_size)
+    print(format_memory(report, capture=format_capture_check(capture_check_cost(report.rank))))
 
 
 if __name__ == "__main__":

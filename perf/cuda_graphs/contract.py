@@ -397,8 +397,9 @@ def run_state(run) -> list[tuple[str, Tensor]]:
     optimizer, the schedule's weight buffers, the static inputs (first name wins for shared
     storage: parameters first)."""
     out = module_state(run.model) + optimizer_state(run.manager)
-    _walk("ngram_optimizer.state", run.ngram_opt.state, out)
-    out.append(("ngram_table.rows", run.table.rows))
+    if run.table is not None:  # (features.ngram off: no table, no row optimizer)
+        _walk("ngram_optimizer.state", run.ngram_opt.state, out)
+        out.append(("ngram_table.rows", run.table.rows))
     _walk("step_weights", vars(run.step_weights), out)
     for (name, shape, dtype), t in run.static_inputs.items():
         label = f"static_input[{name} {list(shape)} {str(dtype).removeprefix('torch.')}]"

@@ -99,6 +99,8 @@ def _bad_inputs(shards: Path, tmp: Path, checkpoint: Path):
          ["--set model.num_heads=5: ModelConfig: num_heads·head_dim = 80 must equal model_dim 96"]),
         ("a --set of an unknown optimizer", [*data, "--set", "optim.bank_optimizer=adamw"], {},
          ["optim.bank_optimizer=adamw: must be anvil (record #360) or normuon (record #89)"]),
+        ("--quick with another preset", ["--quick", "--config", "record", *data], {},
+         ["--quick runs the smoke preset; drop --config record (or --quick)"]),
         ("several problems at once", [*data, "--val-tokens", "3000", "--max-steps", "0", "--val-every", "-2"],
          {"SPEEDRUN_FP8": "yes"},
          ["SPEEDRUN_FP8=yes: must be 0 or 1", "--max-steps 0", "--val-every -2", "--val-tokens 3000"]),
@@ -231,3 +233,15 @@ def test_set_parses_each_field_by_its_declared_type():
         "--set name=record: name cannot be set: it names the preset (use --config) or records the --set flags",
         "--set nonsense: expected SECTION.FIELD=VALUE (e.g. --set optim.anvil_lr=0.02)",
         "--set val_every=1.5: '1.5' is not an integer"]
+
+
+def test_quick_crosses_the_first_stage_transition_and_keeps_explicit_flags():
+    """--quick: the smoke preset, no warmup, one validation step at the end, and the steps up to 2 past
+    stage 0's end: 17 in the smoke schedule, 34 with --steps 120 (0.2854 / 0.9994 × 120) (`python -m optim.schedule --config smoke`)."""
+    cfg, _ = train_gpt.parse_args(["--quick"])
+    assert (cfg.name, cfg.max_steps, cfg.val_tokens, cfg.val_every, cfg.warmup, cfg.label) == \
+        ("smoke", 19, 2048, 0, False, "quick")
+    assert train_gpt.parse_args(["--quick", "--steps", "120"])[0].max_steps == 36
+    cfg, _ = train_gpt.parse_args(["--quick", "--max-steps", "5", "--val-tokens", "4096", "--val-every", "2",
+                                   "--label", "mine"])
+    assert (cfg.max_steps, cfg.val_tokens, cfg.val_every, cfg.label, cfg.warmup) == (5, 4096, 2, "mine", False)
