@@ -153,7 +153,7 @@ class ScalarTable:
     """Every entry's 0-D device scalars (Entry.scalars) as views of one fp32 device table, written
     from a host copy through reused pinned buffers: one host→device copy per step
     (`OptimizerManager.load_scalars`) where a fill_ per scalar was a launch each (4 per bank, 2 per
-    Adam parameter: 40 at an Adam step of the record; perf/bench_host.py counts them). The host
+    Adam parameter: 42 at an Adam step of the record; perf/bench_host.py counts them). The host
     copy keeps every scalar's current value, so the copy leaves the entries a step does not update
     as they were; the values are rounded to fp32 on the host as fill_ rounds them (bitwise the same
     device scalars). Built before any write, when the scalars still hold their initial zeros."""

@@ -32,16 +32,27 @@ stages): the untimed warmup visits every geometry, so the timed loop allocates n
 
     ring = PinnedBatchRing(device)
     batch = ring.to_device(host_batch)   # same type as host_batch.to(device, non_blocking=True)
+    batch, extra = ring.upload(host_batch, candidates=candidates)   # more tensors in the same slot
+
+The same reuse for the host's other small per-step uploads (issue 22: host work per step):
+`PinnedStaging` copies host arrays on the current stream through R reused buffers, for the row
+plans' index vectors (optim/row_exchange.py) and the optimizer's scalar table (optim/manager.py),
+where each upload allocated pinned memory of its own.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import fields, is_dataclass, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
 RING_SLOTS = 3  # ours (module docstring); record #360's ring has 40 slots, copied on the compute stream
+# ours: PinnedStaging copies on the compute stream, so a slot retires only when the device reaches its
+# copy: R slots let the host run R uploads ahead of the device before it waits (record #360 keeps a
+# 16-slot ring for its bank scalars and 16-slot rings for its row want-lists)
+STAGING_SLOTS = 4
 
 
 class NullStream:
@@ -66,7 +77,7 @@ class CompletedEvent:
 
 class _Slot:
     def __init__(self, event):
-        self.buffers: dict[str, Tensor] = {}  # field name → flat host buffer (pinned on CUDA)
+        self.buffers: dict = {}  # field name (PinnedStaging: dtype) → flat host buffer (pinned on CUDA)
         self.event = event  # recorded on the copy stream after this slot's last host→device copies
 
 
@@ -131,14 +142,25 @@ class PinnedBatchRing:
     def to_device(self, host_batch):
         """`host_batch` on the device, through the next slot: the same type and values as
         host_batch.to(device, non_blocking=True), ordered before anything the current stream runs next."""
+        return self.upload(host_batch)[0]
+
+    def upload(self, host_batch, **extra: Tensor) -> tuple[object, dict[str, Tensor]]:
+        """`to_device(host_batch)`, and the further host tensors `extra` (the step's sampled-softmax
+        candidates) staged in the same slot and copied with it: (the device batch, {name: device
+        tensor}). A field of None (a host-only field the caller left out, say) is not copied."""
         if not is_dataclass(host_batch):
             raise TypeError(f"PinnedBatchRing.to_device takes a dataclass of tensors (data.loader.Batch), "
                             f"got {type(host_batch).__name__}")
         tensors = {f.name: getattr(host_batch, f.name) for f in fields(host_batch)
                    if isinstance(getattr(host_batch, f.name), Tensor)}
-        for name, t in tensors.items():
-            if t.device.type != "cpu":
-                raise ValueError(f"PinnedBatchRing.to_device: field {name} is on {t.device}, expected a host tensor")
+        clash = sorted(set(tensors) & set(extra))
+        if clash:
+            raise ValueError(f"PinnedBatchRing.upload: extra tensors {clash} share a name with the batch's fields")
+        for name, t in [*tensors.items(), *extra.items()]:
+            if not isinstance(t, Tensor) or t.device.type != "cpu":
+                where = t.device if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"PinnedBatchRing.to_device: field {name} is on {where}, expected a host tensor")
+        tensors.update(extra)
         index = self.next_slot
         self.next_slot = (index + 1) % len(self.slots)
         self._grow(tensors)
@@ -149,7 +171,7 @@ class PinnedBatchRing:
             view = slot.buffers[name][:t.numel()].view(t.shape)
             view.copy_(t)  # host memcpy; the slot's previous copy has retired (waited above)
             staged[name] = view
-        self.staged = replace(host_batch, **staged)
+        self.staged = replace(host_batch, **{k: v for k, v in staged.items() if k not in extra})
         compute = torch.cuda.current_stream(self.device) if self.cuda else self.stream
         moved = {}
         with self._copy_stream():
@@ -163,4 +185,74 @@ class PinnedBatchRing:
         if self.cuda:
             for t in moved.values():  # allocated on the copy stream, read on the compute stream
                 t.record_stream(compute)
-        return replace(host_batch, **moved)
+        batch = replace(host_batch, **{k: v for k, v in moved.items() if k not in extra})
+        return batch, {k: moved[k] for k in extra}
+
+
+class PinnedStaging:
+    """Host→device copies of a step's small host-built arrays through `slots` reused host buffers
+    (pinned on CUDA), one copy per call on the current stream: the row plans' index vectors
+    (optim/row_exchange.py), the optimizer's per-step scalar table (optim/manager.py load_scalars).
+
+    What it replaces: a fresh pinned allocation per upload (`torch.empty(..., pin_memory=True)` or
+    `.pin_memory()`), a trip through the caching host allocator each time. Here the buffers are
+    allocated once, all slots at once, grown to the largest upload seen (the warmup's): the timed
+    loop allocates no host memory. The copy stays on the current stream, in stream order with what
+    reads its result; the same invariant as the batch ring keeps a slot from being rewritten while
+    its copy may still be reading it (the event recorded behind it, waited if needed).
+
+        staging = PinnedStaging(device)
+        dev = staging.to_device([inverse, served], torch.int64)       # (N + S,) one copy
+        staging.to_device([values], torch.float32, out=device_table)  # into a device buffer
+    """
+
+    def __init__(self, device: torch.device | str, slots: int = STAGING_SLOTS, *, event_factory=None):
+        self.device = torch.device(device)
+        if slots < 1:
+            raise ValueError(f"PinnedStaging needs at least one slot, got {slots}")
+        self.cuda = self.device.type == "cuda"
+        event_factory = event_factory or (torch.cuda.Event if self.cuda else CompletedEvent)
+        self.slots = [_Slot(event_factory()) for _ in range(slots)]
+        self.next_slot = 0
+        self.capacity: dict[torch.dtype, int] = {}  # dtype → elements of every slot's buffer
+        self.waits = 0  # copies that found their slot's previous copy still in flight
+
+    def _wait(self, index: int) -> None:
+        event = self.slots[index].event
+        if event.query():
+            return
+        self.waits += 1
+        event.synchronize()
+        if not event.query():
+            raise RuntimeError(f"pinned staging: slot {index}'s previous host→device copy is still in flight "
+                               f"after waiting on its event; refusing to overwrite the slot")
+
+    def to_device(self, arrays, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+        """The 1-D host arrays (numpy arrays or host tensors) concatenated, as `dtype`, on the
+        device: written into the next slot, then one non-blocking copy into `out` (a 1-D device
+        tensor of their total length and `dtype`) or into a fresh device tensor, returned."""
+        arrays = [a.numpy() if isinstance(a, Tensor) else np.asarray(a) for a in arrays]
+        numel = sum(int(a.size) for a in arrays)
+        if out is not None and (out.shape != (numel,) or out.dtype != dtype or out.device != self.device):
+            raise ValueError(f"PinnedStaging.to_device: out must be {dtype} [{numel}] on {self.device}, "
+                             f"got {out.dtype} {list(out.shape)} on {out.device}")
+        if self.capacity.get(dtype, -1) < numel:  # grow every slot at once (module docstring)
+            # ours: a quarter to spare, so sizes that creep up (a plan's distinct rows) regrow rarely
+            grown = numel + numel // 4
+            for index, slot in enumerate(self.slots):
+                if dtype in slot.buffers:
+                    self._wait(index)  # the old buffer may still be the source of a copy
+                slot.buffers[dtype] = torch.empty(grown, dtype=dtype, pin_memory=self.cuda)
+            self.capacity[dtype] = grown
+        index = self.next_slot
+        self.next_slot = (index + 1) % len(self.slots)
+        self._wait(index)
+        slot = self.slots[index]
+        host = slot.buffers[dtype][:numel]
+        if numel:
+            np.concatenate(arrays, out=host.numpy(), casting="same_kind")  # host memcpy into the slot
+        if out is None:
+            out = torch.empty(numel, dtype=dtype, device=self.device)
+        out.copy_(host, non_blocking=True)
+        slot.event.record()  # behind the copy, on the current stream
+        return out
