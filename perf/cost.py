@@ -280,9 +280,12 @@ def phase_costs(rank) -> list[PhaseCost]:
     for phase, steps in found.items():
         counter, sent = FlopCounter(), collections.Counter()
         manager.split = not phase.tied
+        # the step's scalars are written on the host and copied in once (optim.manager.ScalarTable):
+        # outside the meta default device, whose host staging buffers would be meta too
+        for p in rank.model.parameters():
+            p.grad = torch.empty_like(p)  # on meta, as the parameters; the scalars load for the entries due
+        manager.load_scalars(steps[0])
         with torch.device("meta"), counted_collectives(sent, rank.world_size), counter:
-            for p in rank.model.parameters():
-                p.grad = torch.empty_like(p)
             manager.step(steps[0], untie=False)
             if manager.deferred:
                 manager.launch_deferred_gathers(steps[0])
