@@ -1,0 +1,163 @@
+"""The tests a change touches: the test files mirroring the changed files and those naming them.
+
+    python3 tests/affected.py                   # the working tree (untracked files too) against HEAD
+    python3 tests/affected.py main              # ... against a branch or commit
+    python3 tests/affected.py --run -- -x -m "not slow"    # run them; what follows -- goes to pytest
+    python3 tests/affected.py --files model/loss.py        # these paths, no git
+
+A test file is selected when it changed, when it mirrors a changed file (model/loss.py ->
+tests/model/test_model_loss*.py, perf/kernels/mlp.py -> tests/kernels/test_kernels_mlp*.py,
+a top-level file such as train_gpt.py or config.py -> tests/run/), or when it names a changed
+module: an import, an import in a worker script it keeps as a string (tests/gloo_workers.py runs
+those), or a module or file it launches (`"-m", "perf.cross_compile"`, `"data/tokenize.py"`).
+tests/model/test_model_gpt.py also runs for a change to anything model/gpt.py imports, directly or
+not. A change to the test set-up (conftest, pyproject, requirements) selects everything. Files are
+read, not run: a test reaching a changed module only through a module it imports is left to the
+full `pytest`, which CI runs.
+"""
+import argparse
+import ast
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# ours: these change every test's set-up (fixtures, markers, options, installed packages)
+WHOLE_SUITE = {"tests/conftest.py", "pyproject.toml", "requirements.txt", "requirements-test.txt"}
+# ours: the smoke model's forward, backward and learning, run for a change to anything model/gpt.py
+# imports, directly or not (model/mlp.py has no test of its own; the kernels' portable twins run here)
+END_TO_END = {"tests/model/test_model_gpt.py": "model.gpt"}
+
+
+def module_name(path: str) -> str:
+    """model/loss.py -> model.loss; model/__init__.py -> model."""
+    return path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
+def with_packages(name: str) -> list[str]:
+    """perf.kernels.mlp -> [perf, perf.kernels, perf.kernels.mlp]: importing it runs each __init__."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def names_in(path: Path) -> set[str]:
+    """Every module-like name a file imports, imports in a script kept as a string, or launches."""
+    try:
+        found, trees = set(), [ast.parse(path.read_text(), str(path))]
+    except SyntaxError as error:
+        sys.exit(f"tests/affected.py: error: {path}: line {error.lineno}: {error.msg}; fix it, then rerun")
+    while trees:
+        for node in ast.walk(trees.pop()):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)  # from model import loss
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = node.value
+                if "import " in text:  # a worker script
+                    try:
+                        trees.append(ast.parse(textwrap.dedent(text)))
+                    except SyntaxError:
+                        pass
+                if text.endswith(".py") or ("." in text and " " not in text):  # "perf.cross_compile", "train_gpt.py"
+                    found.add(module_name(text))
+    return {package for name in found for package in with_packages(name)}
+
+
+def is_test(path: str) -> bool:
+    return path.startswith("tests/") and Path(path).name.startswith("test_")
+
+
+def mirrors(path: str, repo: Path) -> list[str]:
+    """The test files mirroring a source file: tests/<area>/test_<area>_<name>*.py; tests/run/ for top-level."""
+    parts = module_name(path).split(".")
+    if "/" not in path:
+        folder, stem = repo / "tests" / "run", "test"
+    else:
+        if parts[:2] == ["perf", "kernels"]:  # perf/kernels/x.py -> tests/kernels/test_kernels_x.py
+            parts = parts[1:]
+        folder, stem = repo / "tests" / parts[0], "test_" + "_".join(parts)
+    return [str(p.relative_to(repo)) for p in [*folder.glob(stem + ".py"), *folder.glob(stem + "_*.py")]]
+
+
+def imported_by(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """`module` and every project module it imports, directly or not."""
+    seen, todo = set(), [module]
+    while todo:
+        if (name := todo.pop()) not in seen:
+            seen.add(name)
+            todo.extend(graph.get(name, ()))
+    return seen
+
+
+def select(changed: list[str], repo: Path = REPO,
+           end_to_end: dict[str, str] = END_TO_END) -> dict[str, tuple[str, str]] | None:
+    """{test file: (why, the changed path it answers)} for the changed paths (repo-relative); None when
+    the test set-up changed: the whole suite."""
+    if WHOLE_SUITE & set(changed):
+        return None
+    folders = [d for d in repo.iterdir() if (d / "__init__.py").is_file() or d.name == "tests"]  # not a venv
+    paths = [*repo.glob("*.py"), *(p for folder in folders for p in folder.rglob("*.py"))]
+    files = sorted(str(p.relative_to(repo)) for p in paths)
+    modules = {module_name(f) for f in files + [c for c in changed if c.endswith(".py")]}
+    graph = {module_name(f): names_in(repo / f) & modules for f in files}  # module -> project modules it names
+    origin = {module_name(c): c for c in changed if c.endswith(".py") and not is_test(c)}  # module -> changed path
+    why = {}
+    for path in changed:
+        if is_test(path) and (repo / path).is_file():
+            why[path] = ("changed", path)
+        elif path.endswith(".py") and not path.startswith("tests/"):
+            why.update({test: (f"mirrors {path}", path) for test in mirrors(path, repo) if test not in why})
+    for test in (f for f in files if is_test(f) and f not in why):
+        if hit := sorted(graph[module_name(test)] & origin.keys()):
+            why[test] = (f"imports {hit[0]}", origin[hit[0]])
+    for test, module in end_to_end.items():
+        hit = sorted(imported_by(module, graph) & origin.keys())
+        if hit and test not in why and (repo / test).is_file():
+            why[test] = (f"runs {module}, which imports {origin[hit[0]]}", origin[hit[0]])
+    return dict(sorted(why.items()))
+
+
+def changed_files(rev: str, repo: Path = REPO) -> list[str]:
+    """Paths that differ between the working tree and `rev`, and untracked files (git's view, repo-relative)."""
+    def git(*args: str) -> list[str]:
+        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"tests/affected.py: error: `git {' '.join(args)}` failed in {repo}: {done.stderr.strip()}")
+        return done.stdout.splitlines()
+    return sorted(set(git("diff", "--name-only", "--no-renames", rev, "--"))
+                  | set(git("ls-files", "--others", "--exclude-standard")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tests/affected.py", description=__doc__.split("\n")[0],
+                                     epilog="arguments after -- go to pytest (with --run)")
+    parser.add_argument("rev", nargs="?", default="HEAD", help="compare the working tree with this revision")
+    parser.add_argument("--files", nargs="+", metavar="PATH", help="these changed paths instead of git's")
+    parser.add_argument("--run", action="store_true", help="run the selected tests with pytest")
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, pytest_args = parser.parse_args(argv[:split]), argv[split + 1:]
+    changed = args.files or changed_files(args.rev)
+    why = select(changed)
+    if why is None:
+        print(f"the test set-up changed ({', '.join(sorted(WHOLE_SUITE & set(changed)))}): the whole suite")
+    else:
+        source = "--files" if args.files else f"git diff {args.rev}, untracked"
+        print(f"{len(changed)} changed path(s) ({source}) -> {len(why)} test file(s):")
+        for test, (reason, _) in why.items():
+            print(f"  {test:50s} {reason}")
+        if untested := [c for c in changed if c.endswith(".py") and c not in {path for _, path in why.values()}]:
+            print(f"  no test mirrors or names: {', '.join(untested)}")
+        if not why:
+            return 0  # pytest without paths would run the whole suite
+    command = [sys.executable, "-m", "pytest", *(why or []), *pytest_args]
+    print(shlex.join(["python3", *command[1:]]))
+    return subprocess.run(command, cwd=REPO).returncode if args.run else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
