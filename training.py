@@ -13,6 +13,7 @@ train_gpt.py, so no import circle runs through it (DESIGN.md, import rules).
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import os
 from dataclasses import asdict, dataclass, replace
@@ -32,6 +33,7 @@ from optim.row_exchange import RowExchange
 from optim.schedule import StepWeights, TrainingSchedule
 from perf import backend as perf_backend
 from perf.attention_backends import assert_record_backends
+from perf.collective_order import CollectiveRecorder
 from perf.compile import compile_model
 from perf.cuda_graphs.capture import RegionGraphs
 from perf.cuda_graphs.contract import run_state
@@ -385,8 +387,6 @@ class Run:
         # one order of collectives on every rank (perf/collective_order.py): each collective of the
         # warmup is recorded with the run's position and its region call, and the ranks' sequences
         # and the ordering rule are checked at the end, off the clock (no collective on 1 process)
-        import contextlib
-        from perf.collective_order import CollectiveRecorder
         recorder = CollectiveRecorder(lambda: self.position) if self.setup.world_size > 1 else None
         runner = self.region_runner
         if recorder is not None:

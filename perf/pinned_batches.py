@@ -81,6 +81,19 @@ class _Slot:
         self.event = event  # recorded on the copy stream after this slot's last host→device copies
 
 
+def _await_slot(slot, what: str) -> bool:
+    """Block until the slot's last host→device copy has completed; True when it was still in flight
+    (the caller counts the waits). A real CUDA event is complete after synchronize; anything else
+    is a bug, and the slot is not overwritten."""
+    if slot.event.query():
+        return False
+    slot.event.synchronize()
+    if not slot.event.query():
+        raise RuntimeError(f"{what}'s previous host→device copy is still in flight after waiting on its event; "
+                           f"refusing to overwrite the slot")
+    return True
+
+
 class PinnedBatchRing:
     """A ring of `slots` host staging slots for batches (dataclasses of tensors and plain values,
     data.loader.Batch) on their way to `device`.
@@ -108,14 +121,7 @@ class PinnedBatchRing:
 
     def _wait(self, index: int) -> None:
         """Block until slot `index`'s last host→device copy has completed."""
-        event = self.slots[index].event
-        if event.query():
-            return
-        self.waits += 1
-        event.synchronize()
-        if not event.query():  # a real CUDA event is complete after synchronize; anything else is a bug
-            raise RuntimeError(f"pinned batch ring: slot {index}'s previous host→device copy is still in flight "
-                               f"after waiting on its event; refusing to overwrite the slot")
+        self.waits += _await_slot(self.slots[index], f"pinned batch ring: slot {index}")
 
     def _host_buffer(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=self.cuda)
@@ -218,14 +224,7 @@ class PinnedStaging:
         self.waits = 0  # copies that found their slot's previous copy still in flight
 
     def _wait(self, index: int) -> None:
-        event = self.slots[index].event
-        if event.query():
-            return
-        self.waits += 1
-        event.synchronize()
-        if not event.query():
-            raise RuntimeError(f"pinned staging: slot {index}'s previous host→device copy is still in flight "
-                               f"after waiting on its event; refusing to overwrite the slot")
+        self.waits += _await_slot(self.slots[index], f"pinned staging: slot {index}")
 
     def to_device(self, arrays, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
         """The 1-D host arrays (numpy arrays or host tensors) concatenated, as `dtype`, on the
