@@ -192,11 +192,13 @@ class Run:
             self.run_region("fp8_refresh", exact, lambda: self.model.refresh_fp8(exact))
 
     def close(self) -> None:
-        """Before destroy_process_group: no gather in flight, and no graph left holding the
-        communicator (see RegionGraphs.release)."""
+        """Before destroy_process_group: no gather in flight, no graph left holding the
+        communicator (see RegionGraphs.release), the row exchange's prep thread stopped."""
         self.manager.wait_gathers()
         if self.graphs is not None:
             self.graphs.release()
+        if self.exchange is not None:
+            self.exchange.close()  # its prep thread (host plans ahead)
 
     def upload(self, host_batch, softmax_p: int, sampler: CandidateSampler | None = None, static: bool = False,
                plan=None):

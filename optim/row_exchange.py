@@ -186,6 +186,14 @@ class RowExchange:
             self._prep = ThreadPoolExecutor(1, thread_name_prefix="row-plans")
         return self._prep.submit(fn, *args)
 
+    def close(self) -> None:
+        """Stop the prep thread (after any host work it still holds) and forget what it prepared."""
+        if self._prep is not None:
+            self._prep.shutdown(wait=True, cancel_futures=True)
+            self._prep = None
+        self._prepared.clear()
+        self._push_prepared = None
+
     def prepare(self, row_ids) -> None:
         """Start the host work of `plan(row_ids)` on the prep thread now (the sort: distinct ids,
         inverse, counts per owner); `plan` called later with the same object finishes it (the

@@ -214,6 +214,24 @@ def test_one_process_pulls_and_pushes():
     check_push([result], 1)
 
 
+def test_close_stops_the_prep_thread_and_plans_still_match():
+    """A plan prepared ahead on the prep thread equals the plan made in place (np.unique as the
+    reference); close() stops the thread, and a later plan still works."""
+    import threading
+
+    ids = torch.tensor([7, 3, 7, 60, 3, 0], dtype=torch.int32)
+    exchange = RowExchange(ROWS, 0, 1, "cpu")
+    exchange.prepare(ids)
+    plan = exchange.plan(ids)
+    unique, inverse = np.unique(ids.numpy().astype(np.int64), return_inverse=True)
+    assert np.array_equal(plan.unique, unique) and np.array_equal(plan.inverse, inverse)
+    assert any(t.name.startswith("row-plans") for t in threading.enumerate())
+    exchange.close()
+    assert not any(t.name.startswith("row-plans") for t in threading.enumerate())
+    assert np.array_equal(exchange.plan(ids).unique, unique)
+    exchange.close()
+
+
 def test_bad_requests_are_caught_on_the_host():
     exchange = RowExchange(ROWS, 0, 1, "cpu")
     with pytest.raises(IndexError, match=r"row ids span \[-1, 5\], outside the table's rows \[0, 64\)"):
