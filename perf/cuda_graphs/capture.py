@@ -291,13 +291,16 @@ def state_fingerprints(named: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
     return out
 
 
-def _unique_storages(named: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
-    """The first name of each storage (a parameter and its optimizer view share one)."""
+def _unique_storages(named: list[tuple[str, Tensor]], storage_key=None) -> list[tuple[str, Tensor]]:
+    """The first name of each view of a storage (a parameter and its optimizer view share one).
+    storage_key: what tells storages apart (the data pointer; perf/cuda_graphs/cost.py passes the
+    StorageImpl on "meta", where every data pointer is 0)."""
+    storage_key = storage_key or _storage_ptr
     seen, out = set(), []
     for name, t in named:
         if t is None or t.numel() == 0:
             continue
-        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        key = (storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if key not in seen:
             seen.add(key)
             out.append((name, t))

@@ -35,7 +35,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from perf.cuda_graphs.capture import FINGERPRINT_CHUNK, STAGING_ALIGN, STAGING_BLOCK, written_outside_regions
+from perf.cuda_graphs.capture import (FINGERPRINT_CHUNK, STAGING_ALIGN, STAGING_BLOCK, _unique_storages,
+                                      written_outside_regions)
 
 GIB = 2 ** 30
 
@@ -109,17 +110,9 @@ def written_by_collectives(recorder: WrittenStorages):
 
 
 def _unique_views(named: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
-    """capture._unique_storages on "meta" (where every data pointer is 0): the first name of each
-    view, storages told apart by their StorageImpl."""
-    seen, out = set(), []
-    for name, t in named:
-        if t is None or t.numel() == 0:
-            continue
-        key = (_storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        if key not in seen:
-            seen.add(key)
-            out.append((name, t))
-    return out
+    """capture._unique_storages on "meta" (where every data pointer is 0): storages told apart by
+    their StorageImpl."""
+    return _unique_storages(named, storage_key=_storage_key)
 
 
 def _static_inputs(step) -> dict[tuple, Tensor]:

@@ -7,25 +7,32 @@ import textwrap
 import pytest
 import torch
 
-from perf.cuda_graphs.capture import CudaGraph, GraphMismatch, RegionGraphs, TapeGraph
+from perf.cuda_graphs.capture import CudaGraph, ExcludedStateWritten, GraphMismatch, RegionGraphs, TapeGraph
+from perf.cuda_graphs.cost import KeyCheckCost
 
 
 def _toy_training(graphed: bool, python_scalar: bool = False, make_graph=TapeGraph, device="cpu",
-                  warm=2, steps=5, strict=False):
+                  warm=2, steps=5, strict=False, staging_block=None, table_writer=None, after_warm_call=None):
     """A linear layer trained by a forward/backward region and an update region; warm calls (the
     warmup: each key twice, warm-up then capture), a reset, then `steps` timed calls. Returns the
     losses and the plan. python_scalar: the update multiplies by a per-call Python number, the bug
-    a graph bakes in."""
+    a graph bakes in. The named state holds, as a run's does, state the check leaves out (written
+    outside the regions): an n-gram-table-like tensor and the static input. table_writer(call,
+    rows): what the update does to the table (nothing, as in a run, by default);
+    after_warm_call(graphs): called after each warm step; staging_block: the check's pool blocks."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 4).to(device)
     init = {k: v.clone() for k, v in lin.state_dict().items()}
     for p in lin.parameters():
         p.grad = torch.zeros_like(p)
     x = torch.zeros(16, 8, device=device)                   # the static input buffer
+    rows = torch.zeros(6, 3, device=device)                 # written only outside the regions
     lr = torch.tensor(0.1, device=device)
     calls = [0]
-    graphs = RegionGraphs(make_graph, lambda: [("w", lin.weight), ("b", lin.bias), ("w.grad", lin.weight.grad),
-                                                ("b.grad", lin.bias.grad), ("x", x)], strict=strict)
+    named = lambda: [("w", lin.weight), ("b", lin.bias), ("w.grad", lin.weight.grad), ("b.grad", lin.bias.grad),
+                     ("static_input[x [16, 8] float32]", x), ("ngram_table.rows", rows)]
+    graphs = RegionGraphs(make_graph, named, strict=strict,
+                          **({} if staging_block is None else {"staging_block": staging_block}))
     run = graphs.run if graphed else (lambda region, key, fn: fn())
 
     def forward_backward():
@@ -38,6 +45,8 @@ def _toy_training(graphed: bool, python_scalar: bool = False, make_graph=TapeGra
             for p in lin.parameters():
                 p.sub_((lr * (1 + calls[0]) if python_scalar else lr) * p.grad)
                 p.grad.zero_()
+            if table_writer is not None:
+                table_writer(calls[0], rows)
         calls[0] += 1
 
     gen = torch.Generator().manual_seed(1)
@@ -45,6 +54,8 @@ def _toy_training(graphed: bool, python_scalar: bool = False, make_graph=TapeGra
         x.copy_(torch.randn(16, 8, generator=gen))
         run("forward_backward", "g", forward_backward)
         run("optimizer", "p", update)
+        if after_warm_call is not None:
+            after_warm_call(graphs)
     graphs.freeze()
     with torch.no_grad():   # the post-warmup reset: in place
         for k, v in lin.state_dict().items():
@@ -57,7 +68,7 @@ def _toy_training(graphed: bool, python_scalar: bool = False, make_graph=TapeGra
         x.copy_(torch.randn(16, 8, generator=gen))
         losses.append(run("forward_backward", "g", forward_backward).clone())
         run("optimizer", "p", update)
-    return torch.stack(losses).cpu(), graphs
+    return (torch.stack(losses).cpu() if losses else torch.empty(0)), graphs
 
 
 def test_tape_replay_trains_bitwise_like_eager():
@@ -70,6 +81,60 @@ def test_tape_replay_trains_bitwise_like_eager():
     assert [(r.region, r.tensors, r.bitwise) for r in graphs.reports] == \
         [("forward_backward", 3, 3), ("optimizer", 4, 4)]
     assert "replay vs eager: 7/7 tensors bitwise" in graphs.summary()
+
+
+def test_the_pool_ends_at_the_largest_keys_copies_and_goes_at_freeze():
+    """Hand count, 64-byte blocks: forward_backward writes w.grad (128 B) and b.grad (16 B) and
+    returns the loss (4 B): start copies at 0 and 128, graphed at 192 and 320, the loss at 384, so
+    388 B, 7 blocks; the update writes w, b, w.grad, b.grad: 2 × (128 + 64 + 128 + 16) = 720 B, 12
+    blocks = 768 B, KeyCheckCost's 2 × aligned written + aligned outputs. The check still passes
+    bit for bit, and freeze() drops the pool."""
+    pools = []
+    _, graphs = _toy_training(graphed=True, steps=0, staging_block=64,
+                              after_warm_call=lambda g: pools.append((g.staging.nbytes, g.staging.used) if g.staging else 0))
+    assert pools == [0, (768, 720)]
+    assert KeyCheckCost("optimizer", "p", 0, (), (), (128, 16, 128, 16), (), 0, 0, 0).host_bytes == 768
+    assert KeyCheckCost("forward_backward", "g", 0, (), (), (128, 16), (4,), 0, 0, 0).host_bytes == 448
+    assert [(r.region, r.tensors, r.bitwise) for r in graphs.reports] == [("forward_backward", 3, 3),
+                                                                          ("optimizer", 4, 4)]
+    assert graphs.staging is None and graphs.staging_peak == 768  # freeze() dropped it
+    assert graphs.summary().endswith("; replays 0; check host pool 0.00 GiB")
+
+
+def test_excluded_state_is_neither_fingerprinted_nor_copied(monkeypatch):
+    from perf.cuda_graphs import capture
+    seen = []
+    real = capture.state_fingerprints
+    monkeypatch.setattr(capture, "state_fingerprints", lambda named: seen.extend(n for n, _ in named) or real(named))
+    _, graphs = _toy_training(graphed=True, steps=0)
+    assert seen and "ngram_table.rows" not in seen and "static_input[x [16, 8] float32]" not in seen
+    assert {"w", "b", "w.grad", "b.grad"} <= set(seen)
+    assert graphs.warmed[("optimizer", "p")] == {"w", "b", "w.grad", "b.grad"}
+
+
+@pytest.mark.parametrize("when", [0, 1])
+def test_a_region_writing_excluded_state_stops_the_run(when):
+    """The guard: the update writes the table (index_copy_, as the table event does) at its first
+    call (the warm-up) or only at its second (the capture): either stops the run, naming it."""
+    def writer(call, rows):
+        if call == when:
+            rows.index_copy_(0, torch.tensor([1, 4]), torch.ones(2, 3))
+
+    with pytest.raises(ExcludedStateWritten, match=r"region 'optimizer' key 'p' wrote ngram_table\.rows"):
+        _toy_training(graphed=True, steps=0, table_writer=writer)
+
+
+def test_a_write_through_a_view_or_a_swapped_tensor_is_caught_too():
+    with pytest.raises(ExcludedStateWritten, match="ngram_table.rows"):
+        _toy_training(graphed=True, steps=0, table_writer=lambda call, rows: rows[2].fill_(1.0))
+    state = {"rows": torch.zeros(4)}
+    graphs = RegionGraphs(TapeGraph, lambda: [("ngram_table.rows", state["rows"])])
+
+    def swap():
+        state["rows"] = torch.ones(4)   # Python rebinds the state inside the region
+
+    with pytest.raises(ExcludedStateWritten, match="ngram_table.rows"):
+        graphs.run("optimizer", "k", swap)
 
 
 def test_capture_check_stops_on_a_per_step_python_scalar_naming_graph_and_tensors():
