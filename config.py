@@ -247,6 +247,7 @@ def features_line(features: FeatureConfig) -> str | None:
 # Runs: one preset = model + schedule + optimizer + where it runs and what it reads (train_gpt.py).
 # ================================================================================================
 RECORD_WORLD_SIZE = 8  # record #360: the recipe's global batch is split over 8 ranks
+NGRAM_TABLE_PLACEMENTS = ("auto", "device", "host")  # RunConfig.ngram_table
 
 
 @dataclass(frozen=True)
@@ -284,6 +285,10 @@ class RunConfig:
     # one geometry of the record took up to 140 s to compile for SM90 on 2 CPU cores (perf.cross_compile);
     # 600 s leaves 4x for a rank whose compile cache is cold while the others' are warm.
     collective_timeout_s: int = 600
+    # ours: where the n-gram table lives (perf/host_table.py): "device", "host" (host memory, rows
+    # gathered and written back off the main thread) or "auto" (host when the shard would take more
+    # than half the device's memory: the record's recipe on fewer than 8 GPUs); logged
+    ngram_table: str = "auto"          # one of NGRAM_TABLE_PLACEMENTS
 
 
 RUN_PRESETS = {

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from config import ConfigError, RunConfig
+from config import NGRAM_TABLE_PLACEMENTS, ConfigError, RunConfig
 
 REPO_ROOT = Path(__file__).resolve().parent
 EXIT_CONFIG_ERROR = 2  # argparse's status for a usage error; ours for every refused configuration
@@ -308,6 +308,9 @@ def check_run(cfg: RunConfig, args: argparse.Namespace, env=os.environ) -> None:
                             f"(or omit the flag)")
     if cfg.collective_timeout_s < 1:
         problems.append(f"collective_timeout_s={cfg.collective_timeout_s}: must be at least 1 second")
+    if cfg.ngram_table not in NGRAM_TABLE_PLACEMENTS:
+        problems.append(f"--set ngram_table={cfg.ngram_table}: expected one of {', '.join(NGRAM_TABLE_PLACEMENTS)} "
+                        f"(where the n-gram table lives; auto: host memory when it does not fit the device)")
     if cfg.val_every < 0:
         problems.append(f"--val-every {cfg.val_every}: must be >= 0 (0: validate only at the end)")
     if cfg.val_tokens < 1 or cfg.val_tokens % cfg.val_batch_tokens:

@@ -252,6 +252,8 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         guards.enter_context(named_timeouts(lambda: run.position, cfg.collective_timeout_s))
         log.print0(f"collectives: {dist.get_backend() if dist.is_initialized() else 'none (one process)'}, "
                    f"timeout {cfg.collective_timeout_s} s (collective_timeout_s)", console=True)
+        if run.table_placement:
+            log.print0(run.table_placement, console=True)
         schedule = run.schedule
         n = schedule.total_steps
         log.print0(f"[schedule] stage ends={schedule.stage_ends} steps={n} split={schedule.split_step}", console=True)
@@ -332,6 +334,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                     check_finite(step, {"training loss (main + MTP + prefix terms)": train_loss})
                     if cfg.log_train_loss:
                         log.print0(f"step:{step + 1}/{n} train_loss:{train_loss:.4f}", console=setup.device.type == "cpu")
+                        rec.record.train_losses = [*(rec.record.train_losses or []), train_loss]  # to the bit
                 if (step + 1) % PRINT_EVERY == 0 or step >= n - 2 or step + 1 == steps:
                     elapsed = train_ms + 1000 * (time.perf_counter() - t0)
                     log.print0(format_step_line(step + 1, n, elapsed, cost.tokens_per_s(step + 1, elapsed),

@@ -25,9 +25,10 @@ import torch.distributed as dist
 from config import RunConfig
 from data.loader import NO_NGRAM, dummy_batch, val_batches
 from data.ngram import ngram_hash_sizes
-from model.embeddings import NgramTable
+from model.embeddings import NgramTable, ngram_shard_range
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
+from optim.lanes import Lanes
 from optim.manager import NgramRowOptimizer, OptimizerManager
 from optim.row_exchange import RowExchange
 from optim.schedule import StepWeights, TrainingSchedule
@@ -37,7 +38,8 @@ from perf.collective_order import CollectiveRecorder
 from perf.compile import compile_model
 from perf.cuda_graphs.capture import RegionGraphs
 from perf.cuda_graphs.contract import run_state
-from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS
+from perf.host_table import HostRows, choose_placement
+from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS, roll_delayed_scales
 from perf.pinned_batches import PinnedBatchRing
 from perf.preflight import cheap_checks, raise_on_fail
 from perf.sync_check import host_side
@@ -127,22 +129,32 @@ class Run:
         if setup.world_size > 1:  # every rank starts from rank 0's weights and sign pool
             for t in [*self.model.parameters(), *([self.model.ngram_sign_pool] if features.ngram else [])]:
                 dist.broadcast(t.data, 0)
-        self.table = NgramTable(cfg.model, setup.rank, setup.world_size, device=setup.device) if features.ngram else None
+        self.table = self.table_placement = None
+        if features.ngram:  # on the device, or in host memory when it does not fit (perf/host_table.py)
+            lo, hi = ngram_shard_range(cfg.model.ngram_rows, setup.rank, setup.world_size)
+            placement, why = choose_placement(cfg.ngram_table, (hi - lo) * cfg.model.model_dim * 2, setup.device)
+            rows = HostRows(hi - lo, cfg.model.model_dim, torch.bfloat16, setup.device) if placement == "host" else None
+            self.table = NgramTable(cfg.model, setup.rank, setup.world_size, device=setup.device, rows=rows)
+            self.table_placement = f"n-gram table: {'host memory' if rows is not None else 'device memory'} ({why})"
         # keep_grads: gradients zeroed in place, never released (a captured backward adds into them)
         # defer_gathers (SPEEDRUN_DEFERRED_GATHERS): the bank all-gathers run between steps (`flush`)
         self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim, keep_grads=True,
                                         defer_gathers=setup.backend.deferred_gathers,
-                                        absent=self.model.switched_off_parameters)
+                                        absent=self.model.switched_off_parameters, local_ranks=setup.accum)
         if features.value_embeds:  # value_embeds' backward adds straight into the optimizer's fp16 cycle buffer (record #360)
             self.model.value_embed_grad_buffer = self.manager.cycle_gradient("value_embeds")
         self.exchange, self.ngram_opt = None, None
         if features.ngram:  # the table's rows move between ranks by host-planned exchanges (no host sync on the device)
-            self.exchange = RowExchange(cfg.model.ngram_rows, setup.rank, setup.world_size, setup.device)
+            self.exchange = RowExchange(cfg.model.ngram_rows, setup.rank, setup.world_size, setup.device,
+                                        lanes=setup.accum)
             self.ngram_opt = NgramRowOptimizer(self.table.rows, self.table.rows.size(0), self.manager, self.exchange)
         self.step_weights = StepWeights(self.schedule, setup.device)  # MTP / prefix weights as tensors
         self.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size)
                          for r in setup.virtual_ranks] if features.sampled_softmax else []
         self.windows = self.schedule.windows(0)
+        # one process playing several ranks: what each keeps for itself, a copy per virtual rank
+        # (optim/lanes.py): gradients that live across steps, the fp8 delayed scales
+        self.lanes = Lanes(setup.accum, self.per_rank_tensors) if setup.accum > 1 else None
         # the post-warmup reset's snapshot of the weights, off the device for the whole run: pinned
         # host memory on CUDA (copied back non-blocking; the clock starts after a synchronize), a
         # plain host copy otherwise. Tensors only: the YaRN scales (extra state) reset by reset_rotary.
@@ -169,6 +181,18 @@ class Run:
         # SPEEDRUN_ROW_PREFETCH: the next step's row pulls, launched during this step
         self.prefetched: RowPrefetch | None = None
 
+    def per_rank_tensors(self) -> list[torch.Tensor]:
+        """The live tensors each rank keeps for itself across its steps: the Adam parameters'
+        gradients (summed over two steps, or a table cycle in the fp16 cycle buffers) and the fp8
+        MLP's delayed scales and amaxes. (The bank gradients are consumed every step.)"""
+        out = []
+        for e in self.manager.entries.values():
+            if e.rule.optim != "bank":
+                out += [t for t in (e.param.grad, e.held) if t is not None]
+        if self.model.mlp_fp8 is not None:
+            out += self.model.mlp_fp8.delayed_state()
+        return out
+
     def run_region(self, region: str, key, fn):
         """fn() as the capturable region (region, key): captured or replayed under CUDA graphs, else
         run; the position notes it for a collective timeout. (A method, not a closure stored on the
@@ -190,6 +214,9 @@ class Run:
         exact, self.fp8_refresh_pending = self.fp8_refresh_pending, None
         if exact is not None:
             self.run_region("fp8_refresh", exact, lambda: self.model.refresh_fp8(exact))
+            if self.lanes is not None:  # every virtual rank rolls its own delayed scales
+                for state in self.lanes.lane_copies(self.model.mlp_fp8.delayed_state()):
+                    roll_delayed_scales(*state)
 
     def close(self) -> None:
         """Before destroy_process_group: no gather in flight, no graph left holding the
@@ -199,9 +226,11 @@ class Run:
             self.graphs.release()
         if self.exchange is not None:
             self.exchange.close()  # its prep thread (host plans ahead)
+        if isinstance(getattr(self.table, "rows", None), HostRows):
+            self.table.rows.close()  # its row thread
 
     def upload(self, host_batch, softmax_p: int, sampler: CandidateSampler | None = None, static: bool = False,
-               plan=None):
+               plan=None, lane: int = 0):
         """The host batch on the device, its n-gram row plan (None without the table) and its
         sampled-softmax candidates.
 
@@ -209,11 +238,11 @@ class Run:
         through); everything reaches the device by non-blocking copies (pinned memory on CUDA).
         static: copy into this geometry's static input buffers (`static_input`), as a captured
         training step needs, instead of into fresh device tensors. plan: the batch's row plan when
-        already made (a prefetched pull's)."""
+        already made (a prefetched pull's). lane: which of the process's virtual ranks the batch is."""
         with host_side():
             if plan is None and self.exchange is not None:
                 # a host collective: every rank, same order (its sort done ahead when `prefetch` could)
-                plan = self.exchange.plan(host_batch.ngram_ids)
+                plan = self.exchange.plan(host_batch.ngram_ids, lane)
             candidates = sampler.candidates(host_batch.targets, softmax_p) if softmax_p else None
         host_batch = replace(host_batch, ngram_ids=None)  # host only: the plan has read them
         if self.batch_ring is not None:  # a pinned slot and a side-stream copy (SPEEDRUN_PINNED_BATCHES)
@@ -271,7 +300,7 @@ class Run:
             sampler = self.samplers[i] if self.samplers else None
             pulled = prefetched[i] if prefetched is not None else None
             batch, plan, candidates = self.upload(host_batch, s.softmax_p, sampler, static=True,
-                                                  plan=pulled.plan if pulled is not None else None)
+                                                  plan=pulled.plan if pulled is not None else None, lane=i)
             rows = None  # without the n-gram table: no rows, no pull
             if self.table is not None:
                 # the sink leaf: the pulled rows (an all_to_all with host-planned sizes, outside the
@@ -288,13 +317,20 @@ class Run:
 
             def forward_backward(batch=batch, rows=rows, args=args):
                 loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
-                (loss / self.setup.accum).backward()  # the record's gradient: the mean over 8 ranks of each rank's sum
+                # each (virtual) rank's gradient of its own summed loss; the optimizer's reduce takes the
+                # mean over the 8 ranks (over processes, then over this process's virtual ranks)
+                loss.backward()
                 return loss.detach()
 
+            if self.lanes is not None:
+                self.lanes.load(i)  # virtual rank i's own gradients and fp8 scales
             loss = self.run_region("forward_backward", s.geometry, forward_backward)
             if self.ngram_opt is not None:
                 self.ngram_opt.accumulate(plan, rows.grad)  # merged per distinct row: a per-batch size, outside
                 rows.grad.zero_()  # the next backward accumulates into it (x + 0 is x, bitwise)
+            if self.lanes is not None:
+                self.manager.fold_local(step)  # what rank i does to its gradients before the reduce
+                self.lanes.save(i)
             total += loss
         if self.prefetched is not None:
             # the prefetch's exchange is done before the optimizer graph, whose captured
@@ -304,7 +340,13 @@ class Run:
         # the host half of the update, outside the region: this step's lr, betas, bias corrections
         # into device scalars (in place)
         self.manager.load_scalars(step)
+        consumed = None
+        if self.lanes is not None:  # the virtual ranks' gradients summed in rank order, as their reduce adds
+            consumed = self.manager.consumed(step)
+            self.lanes.reduce(self.manager.reduced(step))
         self.run_region("optimizer", self.manager.phase(step), lambda: self.manager.step(step, untie=False))
+        if consumed is not None:
+            self.lanes.clear(consumed)
         # the banks' all-gathers (SPEEDRUN_DEFERRED_GATHERS) and the fp8 refresh after them wait for
         # `flush`, at the next step's top; the refresh count is taken now (host state, in step order)
         self.manager.launch_deferred_gathers(step)
@@ -331,7 +373,7 @@ class Run:
                 self.exchange.prepare(b.ngram_ids)
             return
         with host_side():
-            plans = [self.exchange.plan(b.ngram_ids) for b in next_batches]  # host collectives, step order
+            plans = [self.exchange.plan(b.ngram_ids, lane) for lane, b in enumerate(next_batches)]  # host collectives, step order
         if self.schedule.is_table_event(step + 1):  # the loop's next step (the warmup's may differ: then
             self.exchange.expect_push(plans)         # the event finds other plans and plans its push itself)
         self.prefetched = RowPrefetch(next_batches, [self.exchange.start_pull(self.table.rows, p) for p in plans],
@@ -454,6 +496,8 @@ class Run:
         self.windows = self.schedule.windows(0)
         self.model.rearm_fp8()
         self.model.refresh_fp8()
+        if self.lanes is not None:
+            self.lanes.reset()  # every virtual rank: zero gradients, the initial fp8 scales
 
     def val_batches(self, val_glob: str) -> list[list]:
         """Every validation batch this process evaluates (read on the clock, record #360)."""

@@ -171,7 +171,7 @@ def build_rank_on_meta(cfg: RunConfig, world_size: int, rank: int = 0) -> RankOn
             table = NgramTable(cfg.model, rank, world_size, device="meta")
             # the row optimizer reads only the exchange's split (a RowExchange needs a process group)
             split = SimpleNamespace(num_rows=cfg.model.ngram_rows, rows_per_rank=table.rows.size(0),
-                                    rank=rank, world_size=world_size)
+                                    rank=rank, world_size=world_size, lanes=1)
             ngram_opt = NgramRowOptimizer(table.rows, table.rows.size(0), manager, split)
         tails = TailAverages(manager, schedule)
         step_weights = StepWeights(schedule, "meta")

@@ -56,6 +56,7 @@ class RunRecord:
     tokens_per_s: float | None = None
     mfu: float | None = None
     overrides: list[str] | None = None  # train_gpt.py --set assignments (None: the preset as it is)
+    train_losses: list[float] | None = None  # --log-train-loss: every step's training loss, full precision
 
     def __post_init__(self):
         if self.status not in STATUSES:
