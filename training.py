@@ -520,7 +520,7 @@ def warmup_steps(schedule: TrainingSchedule, region_keys=None, horizon: int | No
 # every sampler's RNG, the delayed fp8 scales and the deferred gathers in flight, each kept per
 # virtual rank, and its test (resumed losses bitwise the uninterrupted run's) would follow every
 # change to those pieces. A run here is minutes (record #360: 39.9 s on 8xH100), so a rerun is the
-# resume. Dropping the optimizers' state takes a smoke checkpoint from 290 MiB to 62 MiB and a record
+# resume. Dropping the optimizers' state takes a smoke checkpoint from 305 MB to 66 MB and a record
 # one from 124.6 to 121.6 GiB (docs/checkpoints.md).
 MODEL_FILE_KEYS = frozenset({"step", "config", "world_size", "model", "code"})  # code: provenance, read by people
 SHARD_FILE_KEYS = frozenset({"step", "ngram_lo", "ngram_hi", "ngram_rows"})
@@ -537,7 +537,14 @@ class CheckpointError(ValueError):
 def save_checkpoint(run: Run, step: int, logs_dir: Path, run_id: str) -> Path:
     """logs/<run_id>/state_step{step:06d}/: model.pt (rank 0: step, config, code, world size, the
     model's weights) and rank{r}.pt (each rank's n-gram rows; none without the table), each written
-    to a temp file and renamed, in torch.save's zip format, which torch.load can memory-map."""
+    to a temp file and renamed, in torch.save's zip format, which torch.load can memory-map. Every
+    rank writes into rank 0's run folder (each rank's log draws its own run id) and returns once all
+    files are written."""
+    grouped = run.setup.world_size > 1 and dist.is_initialized()
+    if grouped:
+        agreed = [run_id]
+        dist.broadcast_object_list(agreed, src=0)
+        run_id = agreed[0]
     folder = logs_dir / run_id / f"state_step{step:06d}"
     folder.mkdir(parents=True, exist_ok=True)
 
@@ -552,6 +559,8 @@ def save_checkpoint(run: Run, step: int, logs_dir: Path, run_id: str) -> Path:
     if run.table is not None:  # features.ngram off: no table, no rank files
         atomic_save({"step": step, "ngram_lo": run.table.lo, "ngram_hi": run.table.hi, "ngram_rows": run.table.rows},
                     folder / f"rank{run.setup.rank}.pt")
+    if grouped:
+        dist.barrier()
     return folder
 
 
