@@ -214,34 +214,15 @@ def data_problems(cfg: RunConfig, steps: int | None, schedule, validation: bool 
 
 
 def checkpoint_problems(cfg: RunConfig, folder: Path) -> list[str]:
-    """--eval-checkpoint: a folder written by --save-checkpoint for this preset's model."""
-    import torch
-    from dataclasses import asdict
+    """--eval-checkpoint: a folder written by --save-checkpoint for this preset's model and switches,
+    its rank files tiling the n-gram table (training.read_checkpoint: the files memory-mapped, no
+    tensor read)."""
+    from training import CheckpointError, read_checkpoint
 
-    flag = f"--eval-checkpoint {folder}"
-    if not folder.is_dir():
-        return [f"{flag}: no such folder; expected records/logs/<run_id>/state_stepNNNNNN (--save-checkpoint)"]
-    model_file = folder / "model.pt"
-    if not model_file.is_file():
-        return [f"{flag}: no model.pt there; expected a folder written by --save-checkpoint"]
-    if not any(folder.glob("rank*.pt")):
-        return [f"{flag}: no rank*.pt there (the n-gram shards); expected a folder written by --save-checkpoint"]
-    try:  # memory-mapped: only the small config entry is read here
-        saved = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:  # a truncated or foreign file: say so rather than fail later
-        return [f"{flag}: {model_file} cannot be read ({type(e).__name__}: {e})"]
-    saved_cfg = saved.get("config", {}) if isinstance(saved, dict) else {}
-    from config import FeatureConfig
-
-    saved_features = saved_cfg.get("features", asdict(FeatureConfig()))  # saved before the switches: all on
-    if saved_features != asdict(cfg.features):
-        changed = sorted(k for k, v in asdict(cfg.features).items() if saved_features.get(k) != v)
-        return [f"{flag}: saved by a run with other feature switches ({', '.join(f'features.{k}=' + str(saved_features.get(k)).lower() for k in changed)}); "
-                f"pass the same --set features.* as the run that saved it"]
-    if saved_cfg.get("model") != asdict(cfg.model):
-        changed = sorted(k for k, v in asdict(cfg.model).items() if saved_cfg.get("model", {}).get(k) != v)
-        return [f"{flag}: saved by a --config {saved_cfg.get('name', '?')} run whose model differs from "
-                f"--config {cfg.name}'s ({', '.join(changed)}); pass --config {saved_cfg.get('name', '?')}"]
+    try:
+        read_checkpoint(folder, cfg)
+    except (FileNotFoundError, CheckpointError) as e:
+        return [f"--eval-checkpoint {e}"]
     return []
 
 

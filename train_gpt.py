@@ -43,7 +43,7 @@ from perf.cost import RunCost, device_peak, schedule_cost
 from perf.sync_check import host_side, sync_check
 from records.run_log import format_peak_memory_line, format_step_line, format_val_line
 from records.run_record import RunRecorder, check_finite
-from training import Run, Setup, load_checkpoint, save_checkpoint
+from training import CheckpointError, Run, Setup, load_checkpoint, save_checkpoint
 
 PRINT_EVERY = 25  # record #360: a step line every 25 steps, plus the last two
 MIB = 1 << 20
@@ -78,7 +78,9 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap.add_argument("--no-canonical-mask", action="store_true", help="validate without record #92's canonical mask")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warmup (never for records)")
     ap.add_argument("--log-train-loss", action="store_true", help="log the training loss every step (syncs the host)")
-    ap.add_argument("--save-checkpoint", action="store_true", help="save model, optimizer, step, config and code at the end")
+    ap.add_argument("--save-checkpoint", action="store_true",
+                    help="save the model, its n-gram rows, step, config and code at the end (what --eval-checkpoint "
+                         "and evaluate.py read; no optimizer state: docs/checkpoints.md)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", dest="assignments",
                     help="set any config field, typed from its dataclass: --set optim.anvil_lr=0.02, "
                          "--set schedule.stages.2.lr_mul=1.5, --set model.mlp_hidden_dim=256 (repeatable; "
@@ -259,7 +261,10 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         log.print0(f"[schedule] stage ends={schedule.stage_ends} steps={n} split={schedule.split_step}", console=True)
 
         if args.eval_checkpoint is not None:
-            step = load_checkpoint(run, args.eval_checkpoint)
+            try:  # checked before the run (config_check.py); this catches a folder changed since
+                step = load_checkpoint(run, args.eval_checkpoint)
+            except (FileNotFoundError, CheckpointError) as e:
+                raise ConfigError(f"--eval-checkpoint {e}") from None
             val_loss = run.validate(run.val_batches(val_glob), schedule.final_windows())
             log.print0(format_val_line(step, n, val_loss, 0.0), console=True)
             rec.finish(val_loss=val_loss, train_time_ms=0.0, steps=step)
