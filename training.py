@@ -601,7 +601,8 @@ def save_checkpoint(run: Run, step: int, logs_dir: Path, run_id: str) -> Path:
         atomic_save({"step": step, "config": asdict(run.cfg), "code": read_source(REPO_ROOT),
                      "model": run.model.state_dict(), "world_size": run.setup.world_size}, folder / "model.pt")
     if run.table is not None:  # features.ngram off: no table, no rank files
-        atomic_save({"step": step, "ngram_lo": run.table.lo, "ngram_hi": run.table.hi, "ngram_rows": run.table.rows},
+        rows = run.table.rows.host_tensor() if isinstance(run.table.rows, HostRows) else run.table.rows
+        atomic_save({"step": step, "ngram_lo": run.table.lo, "ngram_hi": run.table.hi, "ngram_rows": rows},
                     folder / f"rank{run.setup.rank}.pt")
     if grouped:
         dist.barrier()
@@ -728,7 +729,7 @@ def load_checkpoint(run: Run, folder: Path) -> int:
     saved = read_checkpoint(folder, run.cfg)
     run.model.load_state_dict(saved.model)
     if run.table is not None:
-        rows = run.table.rows
+        rows = run.table.rows.host_tensor() if isinstance(run.table.rows, HostRows) else run.table.rows
         chunk_rows = max(1, CHECKPOINT_CHUNK_BYTES // (rows.size(1) * rows.element_size()))
         big = rows.numel() * rows.element_size() > 8 * CHECKPOINT_CHUNK_BYTES
         copied = copy_overlapping_rows(rows, run.table.lo, saved.shards, chunk_rows,
