@@ -297,7 +297,7 @@ class FlopCounter(TorchDispatchMode):
                 self._write(node, t, nbytes)
                 total += nbytes
         if region["gemm"]:
-            kind, flops = region["gemm"].most_common(1)[0]
+            kind = region["gemm"].most_common(1)[0][0]  # the kernel priced as its main GEMM
             self.gemm_ops[(kind, sum(region["gemm"].values()), total)] += 1
         else:
             self.bytes["fused kernel"] += total
