@@ -154,14 +154,16 @@ def garbage_collector_paused():
 
 
 def run_cost(cfg: RunConfig, setup: Setup, schedule: TrainingSchedule, log) -> RunCost:
-    """The run's tokens/s and MFU (perf/cost.py). MFU needs the model's FLOPs per geometry, counted
-    on "meta" before the warmup (seconds, off the clock), and the device's datasheet peak: without
-    one (a CPU, a GPU not in perf.cost's table) the log shows no MFU rather than a wrong one."""
+    """The run's tokens/s, MFU and peak fraction (perf/cost.py). The last two need the model's FLOPs
+    per geometry, counted on "meta" before the warmup (seconds, off the clock), and the device's
+    datasheet peak: without one (a CPU, a GPU not in perf.cost's table) the log shows neither rather
+    than a wrong one."""
     peak = device_peak(torch.cuda.get_device_name(setup.device)) if setup.device.type == "cuda" else None
     if peak is None:
         return RunCost(schedule)
     cost = RunCost(schedule, schedule_cost(cfg, setup.world_size, optimizer=False), peak)
-    log.print0(f"mfu against {peak.name}: {peak.fp8_tflops:,.0f} fp8 / {peak.bf16_tflops:,.0f} bf16 dense TFLOP/s "
+    log.print0(f"mfu: model FLOPs / (time × {peak.bf16_tflops:,.1f} TFLOP/s, the {peak.name}'s bf16 dense peak); "
+               f"peak_fraction: each kind at its own peak ({peak.fp8_tflops:,.1f} fp8, {peak.bf16_tflops:,.1f} bf16) "
                f"(perf/cost.py)", console=True)
     return cost
 
@@ -343,7 +345,8 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                 if (step + 1) % PRINT_EVERY == 0 or step >= n - 2 or step + 1 == steps:
                     elapsed = train_ms + 1000 * (time.perf_counter() - t0)
                     log.print0(format_step_line(step + 1, n, elapsed, cost.tokens_per_s(step + 1, elapsed),
-                                                cost.mfu(step + 1, elapsed)), console=True)
+                                                cost.mfu(step + 1, elapsed), cost.peak_fraction(step + 1, elapsed)),
+                               console=True)
         timed_graphs = compiled_graphs() - graphs_before_loop - validation_graphs
         # on the clock: the final windows (no YaRN re-application), the val batches, the canonical
         # mask, the tail-average ship
@@ -380,7 +383,8 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
             folder = save_checkpoint(run, steps, records / "logs", log.run_id)
             log.print0(f"checkpoint saved to {folder}", console=True)
         rec.finish(val_loss=val_loss, train_time_ms=train_ms, steps=steps, peak_memory_mib=peak,
-                   tokens_per_s=cost.tokens_per_s(steps, train_ms), mfu=cost.mfu(steps, train_ms))
+                   tokens_per_s=cost.tokens_per_s(steps, train_ms), mfu=cost.mfu(steps, train_ms),
+                   peak_fraction=cost.peak_fraction(steps, train_ms))
         run.close()
 
 
