@@ -36,16 +36,22 @@ from config import NGRAM_TABLE_PLACEMENTS
 HOST_TABLE_DEVICE_FRACTION = 0.5
 
 
-def choose_placement(setting: str, shard_bytes: int, device: torch.device) -> tuple[str, str]:
+# what torch.cuda.get_device_properties reports for an H100 SXM 80GB (79.1 GiB): perf.memory's device
+H100_MEMORY_BYTES = 84_942_979_072
+
+
+def choose_placement(setting: str, shard_bytes: int, device: torch.device,
+                     device_bytes: int | None = None) -> tuple[str, str]:
     """(placement, why) for a table shard of `shard_bytes` on `device` under the run's
-    `ngram_table` setting ("auto", "device" or "host")."""
+    `ngram_table` setting ("auto", "device" or "host"). device_bytes: the device's memory (default:
+    what torch reports for `device`; perf.memory passes an H100's)."""
     if setting not in NGRAM_TABLE_PLACEMENTS:
         raise ValueError(f"ngram_table={setting!r}: expected one of {NGRAM_TABLE_PLACEMENTS}")
     if setting != "auto":
         return setting, f"ngram_table={setting} (set)"
     if device.type != "cuda":
         return "device", "ngram_table=auto: the device is the host"
-    total = torch.cuda.get_device_properties(device).total_memory
+    total = device_bytes if device_bytes is not None else torch.cuda.get_device_properties(device).total_memory
     if shard_bytes > HOST_TABLE_DEVICE_FRACTION * total:
         return "host", (f"ngram_table=auto: the shard's {shard_bytes / 2**30:.2f} GiB exceed "
                         f"{HOST_TABLE_DEVICE_FRACTION:.0%} of the device's {total / 2**30:.1f} GiB")
