@@ -637,6 +637,26 @@ def ngram_sent_bytes(cfg: RunConfig, world_size: int, tokens: int, accum: int, t
     return sent
 
 
+# ours: host↔device bandwidth a host-memory n-gram table moves rows at (PCIe Gen5 x16: 64 GB/s each
+# way on paper; 50 GB/s is what pinned copies reach in practice, the figure upstream PR #366 planned with)
+HOST_LINK_GB_PER_S = 50.0
+# perf.cost --config record (8 ranks, 2026-12-02): the fused floor is 30.04 s and record #360 ran in
+# 39.9 s, 1.33× it; a prediction for fewer GPUs assumes the same fraction of its own floor
+RECORD_FLOOR_SECONDS = 30.04
+
+
+def host_table_bytes(cfg: RunConfig, tokens: int, accum: int, table_event: bool) -> dict[str, int]:
+    """Host↔device bytes one process moves per step for an n-gram table in host memory
+    (perf/host_table.py): each micro-batch's distinct rows host→device, and at a table event the
+    cycle's distinct rows read and written back (the same unique-id ratios as `ngram_sent_bytes`)."""
+    D, ids = cfg.model.model_dim, 2 * tokens * accum
+    moved = {"n-gram row gather, host→device (bf16)": int(UNIQUE_IDS_PER_STEP * ids * D * 2)}
+    if table_event:
+        rows = UNIQUE_IDS_PER_CYCLE * 4 * ids  # a 4-step cycle's distinct rows (2-step cycles: fewer)
+        moved["n-gram event rows, host→device and back (bf16)"] = int(2 * rows * D * 2)
+    return moved
+
+
 @dataclasses.dataclass
 class ScheduleCost:
     cfg: RunConfig
@@ -659,6 +679,21 @@ class ScheduleCost:
         g = self.geometry_at(step)
         return {**self.phase_at(step).sent_bytes,
                 **ngram_sent_bytes(self.cfg, self.world_size, g.tokens, g.accum, g.settings.table_event)}
+
+    @property
+    def table_on_host(self) -> bool:
+        """Whether ngram_table (auto: by an H100's memory) puts this rank's table in host memory."""
+        from perf.host_table import H100_MEMORY_BYTES, choose_placement
+        if not self.cfg.features.ngram:
+            return False
+        shard = self.cfg.model.ngram_rows // self.world_size * self.cfg.model.model_dim * 2
+        return choose_placement(self.cfg.ngram_table, shard, torch.device("cuda"), H100_MEMORY_BYTES)[0] == "host"
+
+    def host_bytes(self, step: int) -> dict[str, int]:
+        if not self.table_on_host:
+            return {}
+        g = self.geometry_at(step)
+        return host_table_bytes(self.cfg, g.tokens, g.accum, g.settings.table_event)
 
     def floor(self, step: int, peak: DevicePeak, with_bytes: str | None = "fused") -> tuple[float, float]:
         """(compute, communication) seconds of `step` on one rank at `peak`. with_bytes None: the
@@ -810,7 +845,7 @@ def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> str:
               f"{serial['unfused']:6.2f} s",
               f"    with every op's bytes, fused (the floor)    {compute['fused']:6.2f} s {overlapped['fused']:6.2f} s "
               f"{serial['fused']:6.2f} s"]
-    if cfg.name == "record" and not off:
+    if cfg.name == "record" and not off and W == cfg.virtual_world_size:
         lines.append(f"    record #360: {RECORD_SECONDS} s = {RECORD_SECONDS / overlapped['fused']:.2f}× the overlapped floor "
                      f"({RECORD_SECONDS / overlapped['unfused']:.2f}× unfused, {RECORD_SECONDS / overlapped[None]:.2f}× "
                      f"FLOPs alone), {RECORD_SECONDS / serial['fused']:.2f}× the serial one")
@@ -821,9 +856,36 @@ def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> str:
     else:
         lines.append(f"    MFU basis (train_gpt.py's mfu): model FLOPs / (time × {peak.bf16_tflops:,.1f} TFLOP/s bf16 "
                      f"dense peak); peak fraction: each kind at its own peak")
+    if W < cfg.virtual_world_size:
+        lines += _fewer_gpus_lines(cost, steps)
     lines.append("  left out: launch gaps, the host, the warmup and validation (off the clock), kernels below "
                  "peak, fusion beyond single-reader chains, the ids' host exchange, the one-off untie")
     return "\n".join(lines)
+
+
+def _fewer_gpus_lines(cost: ScheduleCost, steps) -> list[str]:
+    """The record's recipe on fewer GPUs than its ranks: host↔device bytes of a host-memory table and a
+    predicted time per GPU model, each step's compute, link and host copies overlapped."""
+    W = cost.world_size
+    host = collections.Counter()
+    for s in steps:
+        host.update(cost.host_bytes(s))
+    lines = [f"  the recipe on {W} GPU(s): n-gram table in {'host' if cost.table_on_host else 'device'} memory"
+             + (": " + "; ".join(f"{k} {v / 1e9:,.1f} GB" for k, v in sorted(host.items()))
+                + f" over the run, {sum(host.values()) / 1e9 / len(steps):.2f} GB per step on average "
+                f"(at {HOST_LINK_GB_PER_S:.0f} GB/s, {sum(host.values()) / (HOST_LINK_GB_PER_S * 1e9):.1f} s in all, "
+                f"on a side stream under the compute)" if host else "")]
+    for peak in (H100_SXM, H200_SXM):
+        total = 0.0
+        for s in steps:
+            compute, comm = cost.floor(s, peak, "fused")
+            total += max(compute, comm, sum(cost.host_bytes(s).values()) / (HOST_LINK_GB_PER_S * 1e9))
+        lines.append(f"  predicted on {W}× {peak.name}: floor {total:.1f} s × {RECORD_SECONDS / RECORD_FLOOR_SECONDS:.2f} "
+                     f"(record #360's {RECORD_SECONDS} s over its 8-GPU floor of {RECORD_FLOOR_SECONDS} s) = "
+                     f"{total * RECORD_SECONDS / RECORD_FLOOR_SECONDS:.0f} s")
+    lines.append("  assumes: the same fraction of the floor as the record on 8×H100, host copies hidden under "
+                 "compute, FineWeb's distinct-row ratios as measured on Tiny Shakespeare (UNIQUE_IDS_PER_STEP)")
+    return lines
 
 
 def _all_matrix_params(cost: ScheduleCost) -> int:

@@ -197,3 +197,14 @@ def test_device_peaks_by_cuda_name():
     assert cost.device_peak("NVIDIA H200") is cost.H200_SXM
     assert cost.device_peak("NVIDIA H100 PCIe") is None and cost.device_peak("NVIDIA H200 NVL") is None
     assert cost.device_peak("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_host_table_bytes_by_hand():
+    """The record's stage-0 step on 1 process (8 micro-batches of 16,384 tokens): 262,144 ids, 58%
+    distinct (152,043.52 rows), bf16 rows of 768 (1,536 bytes): 233,538,846.7 bytes; a table event
+    reads and writes back half a 4-step cycle's ids."""
+    from perf.cost import host_table_bytes
+    cfg = RUN_PRESETS["record"]
+    assert host_table_bytes(cfg, 16_384, 8, False) == {"n-gram row gather, host→device (bf16)": 233_538_846}
+    event = host_table_bytes(cfg, 16_384, 8, True)
+    assert event["n-gram event rows, host→device and back (bf16)"] == 2 * 524_288 * 768 * 2

@@ -46,12 +46,12 @@ def test_auto_placement_keeps_a_cpu_table_on_the_device_and_honours_a_setting():
 
 @pytest.mark.slow
 def test_a_host_table_trains_bitwise_like_a_device_table(tmp_path, shards):
-    """8 smoke steps (4 table events: every 2nd step before the 4-step cadence) and the validation."""
+    """6 smoke steps (3 table events: every 2nd step before the 4-step cadence) and the validation."""
     entries = {}
     for placement in ("device", "host"):
         records = tmp_path / placement
         train_gpt.main(["--config", "smoke", "--data-path", str(shards), "--no-warmup", "--val-every", "0",
-                        "--val-tokens", "2048", "--seed", "0", "--max-steps", "8", "--log-train-loss",
+                        "--val-tokens", "2048", "--seed", "0", "--max-steps", "6", "--log-train-loss",
                         "--set", f"ngram_table={placement}", "--records-dir", str(records)])
         (line,) = (records / "runs.jsonl").read_text().splitlines()
         entries[placement] = json.loads(line)

@@ -87,8 +87,9 @@ def test_one_process_keeps_each_virtual_ranks_fp8_scales(tmp_path):
 # own tree. Each association rounds each bf16 gradient element differently by at most 1 ulp per
 # addition (2^-8 relative to the partial sum), and those differences grow through the updates.
 # Measured on the smoke recipe (2026-12-02, 2 CPU cores, 3 steps): step 1 is bitwise equal in all
-# three layouts (nothing updated yet), the largest relative difference of a later training loss is
-# below 2e-5 ... 1.6e-4 (6 steps: 1.6e-4). Bound asserted: 1e-3 relative, every step and validation.
+# three layouts (nothing updated yet); the largest relative difference is 9.9e-5 of a training loss
+# (step 3, 1x8 vs 8x1) and 1.2e-4 of the validation loss (2x4 vs 8x1); over 6 steps, 1.6e-4. Bound
+# asserted: 1e-3 relative, every step and the validation.
 EIGHT_RANK_BOUND = 1e-3
 EIGHT_RANKS = ["--no-warmup", "--val-every", "0", "--val-tokens", "2048", "--seed", "0", "--max-steps", "3",
                "--log-train-loss", "--set", "virtual_world_size=8", "--set", "allowed_world_sizes=1,2,4,8"]
