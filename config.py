@@ -305,6 +305,17 @@ RUN_PRESETS = {
         allowed_world_sizes=(1, 2, 4, 8), requires_fast_path=False, data_path="data/fineweb10B",
         train_pattern="fineweb_train_*.bin", val_pattern="fineweb_val_*.bin",
         val_tokens=10_485_760, val_batch_tokens=2_097_152, canonical_mask=True),
+    # The record's recipe exactly (its table, schedule and validation) on 1, 2, 4 or 8 GPUs of any
+    # kind: each process plays 8 / processes ranks (optim/lanes.py), the table goes to host memory
+    # where it does not fit (ngram_table=auto), and the fast path's pieces are used where the device
+    # has them (fp8 GEMMs on SM89+, FA3 on SM90), the portable ones elsewhere, named in the log. Its
+    # runs are grouped apart from the record's (records.report groups by config) and never a record.
+    "recipe": RunConfig(
+        name="recipe", model=MODEL_PRESETS["record"], schedule=SCHEDULE_PRESETS["record"],
+        optim=OPTIM_PRESETS["record"], device="cuda", virtual_world_size=RECORD_WORLD_SIZE,
+        allowed_world_sizes=(1, 2, 4, 8), requires_fast_path=False, data_path="data/fineweb10B",
+        train_pattern="fineweb_train_*.bin", val_pattern="fineweb_val_*.bin",
+        val_tokens=10_485_760, val_batch_tokens=2_097_152, canonical_mask=True),
     # CPU (gloo), minutes on 2 cores: 2 virtual ranks, so 1 or 2 processes run the same math.
     "smoke": RunConfig(
         name="smoke", model=MODEL_PRESETS["smoke"], schedule=SCHEDULE_PRESETS["smoke"],
