@@ -355,21 +355,28 @@ class Run:
             self.fp8_refresh_pending = self.model.next_fp8_refresh_exact()
         if self.manager.untie_due(step):  # once per run: embed's moments from lm_head's, host state too
             self.manager.untie()
-        if self.ngram_opt is not None:
-            self.ngram_opt.step(step)
+        if self.ngram_opt is not None and self.ngram_opt.step(step) and self.prefetched is not None:
+            for pull in self.prefetched.pulls:  # launched before the event: its rewritten rows patched in
+                self.ngram_opt.patch_pull(pull)
+            self.prefetched.version = self.ngram_opt.version
         return total
 
     def prefetch(self, step: int, next_batches) -> None:
-        """Plan the next step's row pulls and launch them (SPEEDRUN_ROW_PREFETCH), unless this
-        step is a table event: the event rewrites the table after the backward, and the next
-        step must read its rows after that. Then (or with the prefetch off) the next step's plans
+        """Plan the next step's row pulls and launch them (SPEEDRUN_ROW_PREFETCH). Across a table
+        event (it rewrites the table after the backward) only on one process: the rows the event
+        rewrites are then patched into the pulled ones (`train_step`, NgramRowOptimizer.patch_pull),
+        the others did not change. On several processes an event step's next pulls wait for the
+        event: other owners' rows change too. Then (or with the prefetch off) the next step's plans
         are only started, on the exchange's prep thread (`RowExchange.prepare`: they depend on the
         ids alone), and its upload finishes them. When the next step is a table event, its push
         routes are planned ahead too: the cycle's plans are all known once the next step's are
         (`RowExchange.expect_push`; NgramRowOptimizer.accumulate starts them)."""
         if next_batches is None or self.exchange is None:
             return
-        if not self.setup.backend.row_prefetch or self.schedule.is_table_event(step):
+        # across a table event only on one process, whose event patches the pulled rows it rewrote
+        # (NgramRowOptimizer.patch_pull); on several, other owners' rows change too: the pull waits
+        across_event = self.schedule.is_table_event(step)
+        if not self.setup.backend.row_prefetch or (across_event and self.setup.world_size > 1):
             for b in next_batches:
                 self.exchange.prepare(b.ngram_ids)
             return

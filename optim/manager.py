@@ -705,11 +705,26 @@ class NgramRowOptimizer:
         if not self.manager.schedule.is_table_event(step):
             return False
         rows, sums = self.exchange.push(self._held, self.shard.size(1))     # (M,), (M, D)
-        row_sparse_adam_event(self.shard, self.state, rows, sums, **self.manager.ngram_event_hparams(step),
-                              host_rows=self.exchange.pushed_rows)
+        new_rows = row_sparse_adam_event(self.shard, self.state, rows, sums, **self.manager.ngram_event_hparams(step),
+                                         host_rows=self.exchange.pushed_rows)
         self._held.clear()
         self.version += 1
+        self.last_event = (self.exchange.pushed_rows, new_rows)
         return True
+
+    def patch_pull(self, pull) -> None:
+        """Bring a pull launched before the last table event up to date (one process: it owns every
+        row): the event's rows among the pull's distinct rows get their new values; the others did
+        not change. Host-side intersection, device index_copy_: no sync."""
+        if self.exchange.world_size != 1:
+            raise RuntimeError("NgramRowOptimizer.patch_pull: a pull across a table event needs one process "
+                               "(on several, other owners' rows changed too)")
+        event_rows, new_rows = self.last_event
+        _, in_pull, in_event = np.intersect1d(pull.plan.unique - self.exchange.lo, event_rows,
+                                              assume_unique=True, return_indices=True)
+        if in_pull.size:
+            positions, picks = self.exchange.upload_indices(in_pull, in_event)
+            pull.patch(positions, new_rows.index_select(0, picks))
 
     def reset(self) -> None:
         self.state.zero_()

@@ -231,11 +231,11 @@ class RowExchange:
             if served.size and (served.min() < 0 or served.max() >= self.rows_per_rank):
                 raise RuntimeError(f"RowExchange.plan: rank {self.rank} was asked for rows outside its "
                                    f"[{self.lo}, {self.hi}): the ranks disagree on num_rows or the split")
-        inverse_dev, served_dev = self._upload(inverse, served)
+        inverse_dev, served_dev = self.upload_indices(inverse, served)
         return RowPlan(self.rank, self.world_size, unique, inverse, tuple(int(c) for c in ask),
                        tuple(int(c) for c in serve), served, inverse_dev, served_dev, lane)
 
-    def _upload(self, *arrays: np.ndarray) -> list[Tensor]:
+    def upload_indices(self, *arrays: np.ndarray) -> list[Tensor]:
         """int64 host arrays -> device tensors: one staged copy (`PinnedStaging`: a reused host
         buffer, pinned on CUDA, one non-blocking copy); the arrays themselves on CPU."""
         arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in arrays]
@@ -322,7 +322,7 @@ class RowExchange:
             routes = prepared[1].result()                                   # planned ahead (prepare_push)
         else:
             routes = plan_push(plans, self.starts, self.lanes)
-        *positions, rows, merge_index = self._upload(*routes.positions, routes.rows, routes.merge_index)
+        *positions, rows, merge_index = self.upload_indices(*routes.positions, routes.rows, routes.merge_index)
         self.pushed_rows = routes.rows
         cycle = torch.zeros((routes.cycle_ids.size, dim), dtype=torch.float32, device=self.device)  # (C, D)
         for (_, grad), pos in zip(held, positions):
@@ -344,14 +344,30 @@ class PendingPull:
         self.plan, self.rows, self._work = plan, rows, work
         self._answers = answers  # the send buffer stays alive until the exchange is waited
         self._gathering = gathering  # a host table's gather in flight (perf/host_table.py PendingRows)
+        self._patches: list[tuple[Tensor, Tensor]] = []
+
+    def patch(self, positions: Tensor, values: Tensor) -> None:
+        """Overwrite distinct rows `positions` (device int64, into the plan's `unique`) with `values`
+        once they have arrived: rows a table event rewrote after this pull was launched."""
+        self._patches.append((positions, values))
+        if self.rows is not None and self._gathering is None and self._work is None:
+            self._apply_patches()
+
+    def _apply_patches(self) -> None:
+        for positions, values in self._patches:
+            self.rows.index_copy_(0, positions, values)
+        self._patches.clear()
 
     def wait(self) -> None:
         """Wait for the exchange (on CUDA the current stream waits; the host does not)."""
         if self._gathering is not None:
             self.rows, self._gathering = self._gathering.result(), None
+        if self._patches and self._work is None:
+            self._apply_patches()
         if self._work is not None:
             self._work.wait()
             self._work, self._answers = None, None
+            self._apply_patches()
 
     def finish(self, out: Tensor | None = None) -> Tensor:
         """Wait, then the plan's N rows: expanded into `out` (an (N, D) buffer, returned) or a
