@@ -398,7 +398,8 @@ def check_tasks(names: list[str], data: Path | None):
     from lm_eval.tasks import TaskManager
 
     named = [t for t in names if not (data is not None and t == "hellaswag")]
-    manager = TaskManager(include_defaults=bool(named))  # the built-in index takes ~10 s: only when needed
+    with hugging_face_evaluate_importable():  # the built-in index takes ~10 s: only when needed
+        manager = TaskManager(include_defaults=bool(named))
     unknown = [t for t in named if t not in manager.all_tasks]
     if unknown:
         import difflib
@@ -410,12 +411,32 @@ def check_tasks(names: list[str], data: Path | None):
     return manager
 
 
+@contextlib.contextmanager
+def hugging_face_evaluate_importable():
+    """While the harness runs, `import evaluate` means Hugging Face's metrics package (an lm-eval
+    dependency that tasks such as squadv2, mbpp and humaneval import), not this file, whose name
+    shadows it: the repository root moves to the end of sys.path (the project's modules are
+    imported already) and this module, when imported as `evaluate`, steps out of sys.modules."""
+    root, path = str(REPO_ROOT), list(sys.path)
+    mine = sys.modules.get("evaluate")
+    ours = mine is not None and Path(getattr(mine, "__file__", "") or "").resolve() == Path(__file__).resolve()
+    sys.path[:] = [p for p in path if Path(p or ".").resolve() != REPO_ROOT] + [root]
+    if ours:
+        del sys.modules["evaluate"]
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        if ours:
+            sys.modules["evaluate"] = mine
+
+
 def run_tasks(model: CheckpointModel, names: list[str], manager, data: Path | None, limit: int | None) -> dict:
     """{task: {"items", "acc", "acc_norm", and the task's other metrics}} from the harness."""
     from lm_eval import simple_evaluate
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task notices; errors still show
-    with tempfile.TemporaryDirectory(prefix="evaluate_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="evaluate_") as tmp, hugging_face_evaluate_importable():
         specs = [local_hellaswag_task(data, Path(tmp)) if data is not None and t == "hellaswag" else t for t in names]
         if model.setup.world_size > 1:  # rank 0 downloads and caches the data, then the others read the cache
             if model.setup.is_master:

@@ -46,12 +46,6 @@ ITEMS = [
     ("Home and Garden", "[header] How to water a fern [title] Check the soil.", "",
      ["[step] Press a finger into the soil to feel if it is dry.", "[step] Fern soil is made of cheese.",
       "[step] Ask the fern what it wants.", "[title] Ferns live on the moon."], 0),
-    ("Playing guitar", "A man sits on a chair holding a guitar.", "he",
-     ["strums the strings and sings a song.", "eats the guitar.", "throws the chair across the room.",
-      "folds the guitar in half."], 0),
-    ("Walking the dog", "A woman clips a leash to her dog's collar.", "they",
-     ["walk out of the door together.", "fly to the ceiling.", "turn into a pair of shoes.",
-      "read a newspaper in the bath."], 0),
 ]
 PROMPT = "To be, or not to be"
 
@@ -116,7 +110,7 @@ def one_process(checkpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one")
     data = write_hellaswag(tmp / "hellaswag.jsonl")
     stdout, stderr, scored = _main(checkpoint, "--tasks", "hellaswag", "--data", data, "--sample", PROMPT,
-                                   "--tokens", "6", "--temperature", "0")
+                                   "--tokens", "4", "--temperature", "0")
     return {"stdout": stdout, "stderr": stderr, "scored": scored, "data": data,
             "runs": checkpoint.parents[2] / "runs.jsonl"}
 
@@ -179,11 +173,14 @@ def test_log_likelihoods_are_the_validation_forward_summed_by_hand(one_process, 
     """Each scored continuation: −(loss sum over [BOS]+context+continuation − loss sum over
     [BOS]+context), two plain validation forwards of the model (causal: a prefix's losses are the
     whole's first ones)."""
-    for (context, continuation), (ll, greedy) in one_process["scored"][:8]:
+    heads = {}
+    for (context, continuation), (ll, greedy) in one_process["scored"][:8]:  # two items' (CI time)
         ctx, cont = model.encode_pair(context, continuation)
         assert ctx[0] == evaluate.BOS_ID and len(cont) > 0
         whole = _validation_loss_sum(model.run, ctx + cont, model.windows)
-        head = _validation_loss_sum(model.run, ctx, model.windows)
+        if context not in heads:
+            heads[context] = _validation_loss_sum(model.run, ctx, model.windows)
+        head = heads[context]
         assert ll == pytest.approx(-(whole - head), abs=2e-3 * len(cont)), (context, continuation)
         assert ll < 0 and isinstance(greedy, bool)
 
@@ -208,9 +205,9 @@ def test_scores_use_the_whole_context_and_continuation(model):
 def test_sampling_prints_the_prompt_then_new_text_and_greedy_is_deterministic(one_process, model):
     sample = one_process["stdout"][one_process["stdout"].index(PROMPT):]
     assert sample.startswith(PROMPT) and len(sample.strip()) > len(PROMPT)
-    again = model.generate([PROMPT], 6, temperature=0.0)
+    again = model.generate([PROMPT], 4, temperature=0.0)
     assert sample.rstrip("\n") == PROMPT + again[0]
-    assert model.generate([PROMPT], 6, temperature=0.0) == again
+    assert model.generate([PROMPT], 4, temperature=0.0) == again
 
 
 def test_sampling_draws_from_the_seeded_generator(model):
@@ -249,7 +246,7 @@ def test_two_ranks_give_the_scores_and_text_of_one_process(one_process, checkpoi
     """The n-gram table split over 2 gloo ranks (rows exchanged), every W-th document on each rank:
     bitwise the same log-likelihoods, table and greedy text as one process with the table whole."""
     args = [str(checkpoint), "--tasks", "hellaswag", "--data", str(one_process["data"]), "--sample", PROMPT,
-            "--tokens", "6", "--temperature", "0", "--runs", str(tmp_path / "runs.jsonl")]
+            "--tokens", "4", "--temperature", "0", "--runs", str(tmp_path / "runs.jsonl")]
     env = {"EVALUATE_ARGS": json.dumps(args), "HF_HUB_OFFLINE": "1"}
     import os
     if os.environ.get("TIKTOKEN_CACHE_DIR"):
@@ -327,7 +324,27 @@ def test_tasks_without_the_harness_say_how_to_install_it(capsys, checkpoint, mon
 
 
 @needs_harness
-@pytest.mark.slow
-def test_an_unknown_task_is_refused_with_close_names(capsys, checkpoint):
-    err = _refused(capsys, checkpoint, "--tasks", "hellaswag,hellaswg")  # the harness's whole index: ~10 s
-    assert "unknown to lm-evaluation-harness: hellaswg (did you mean hellaswag" in err
+def test_an_unknown_task_is_refused_with_close_names(capsys, checkpoint, monkeypatch):
+    """Checked against the harness's task index (a stand-in here: building the real one takes ~10 s)."""
+    import lm_eval.tasks
+
+    class Index:
+        def __init__(self, include_defaults=True):
+            self.all_tasks = ["arc_easy", "hellaswag", "piqa"] if include_defaults else []
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Index)
+    err = _refused(capsys, checkpoint, "--tasks", "hellaswag,hellaswg,piqa,nonsense")
+    assert "unknown to lm-evaluation-harness: hellaswg (did you mean hellaswag?); nonsense " in err
+
+
+@needs_harness
+def test_harness_tasks_that_import_evaluate_get_hugging_faces_package():
+    """squadv2, mbpp, humaneval, ... `import evaluate` (Hugging Face's metrics, an lm-eval dependency),
+    which this repository's evaluate.py shadows: not while the harness runs."""
+    import importlib
+    import sys
+
+    with evaluate.hugging_face_evaluate_importable():
+        hf = importlib.import_module("evaluate")
+        assert hf is not evaluate and hasattr(hf, "load") and "site-packages" in hf.__file__
+    assert sys.modules["evaluate"] is evaluate and importlib.import_module("evaluate") is evaluate
