@@ -129,8 +129,9 @@ class CheckpointModel:
 
     # --- one document through the validation forward ------------------------------------------------
     @torch.no_grad()
-    def logits(self, tokens: list[int]) -> torch.Tensor:
-        """(n, V) fp32 softcapped logits of one document of n tokens: row t scores token t + 1."""
+    def logits(self, tokens: list[int], start: int = 0) -> torch.Tensor:
+        """(n − start, V) fp32 softcapped logits of one document of n tokens, rows start..n−1: row t
+        scores token t + 1 (the lm_head runs on those rows only: at smoke size it is most of the cost)."""
         cfg, n = self.run.cfg, len(tokens)
         inputs = np.asarray(tokens, dtype=np.int32)  # (n,)
         cap = cfg.schedule.virtual_seq_cap  # attention segments cut as the training cuts them
@@ -145,12 +146,12 @@ class CheckpointModel:
         batch, plan, _ = self.run.upload(batch, 0)  # the row plan: a host collective on several ranks
         rows = self.run.exchange.pull(self.run.table.rows, plan) if plan is not None else None
         args = StepArgs(ws_short=self.windows[0], ws_long=self.windows[1], training=False,
-                        max_seq_len=batch.max_seq_len, logits=True)
+                        max_seq_len=batch.max_seq_len, logits=True, logits_from=start)
         return self.run.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
 
     # --- the lockstep -----------------------------------------------------------------------------------
     def run_jobs(self, jobs: list, desc: str | None = None) -> list:
-        """Run jobs (generators: each yields token lists, receives their `logits`, and returns its
+        """Run jobs (generators: each yields (tokens, start), receives `logits(tokens, start)`, and returns its
         result) and return their results in order, on every rank (a progress bar on rank 0 when
         `desc` names the work). Job i runs on rank i % W. Every
         rank forwards once per round, a rank out of work a two-token stand-in, until no rank has
@@ -163,7 +164,7 @@ class CheckpointModel:
                    disable=desc is None or not self.setup.is_master or not jobs, leave=False)
 
         def next_request(reply=None):
-            """Send the job in progress its logits; the next token list to forward, None when done."""
+            """Send the job in progress its logits; the next (tokens, start) to forward, None when done."""
             nonlocal current
             while True:
                 if current is None:
@@ -187,7 +188,7 @@ class CheckpointModel:
                     break
             elif not busy:
                 break
-            out = self.logits(request if busy else [BOS_ID, BOS_ID])
+            out = self.logits(*request) if busy else self.logits([BOS_ID, BOS_ID], 1)
             if busy:
                 request = next_request(out)
         bar.close()
@@ -206,8 +207,7 @@ class CheckpointModel:
             raise ValueError(f"evaluate.py: a continuation of {len(continuation)} tokens exceeds the model's "
                              f"{self.max_len}-token reach (its long window)")
         doc = (context + continuation)[-(self.max_len + 1):]
-        logits = yield doc[:-1]  # (n − 1, V): the last token predicts nothing
-        z = logits[-len(continuation):]  # (c, V): the rows that predict the continuation
+        z = yield doc[:-1], len(doc) - 1 - len(continuation)  # (c, V): the rows that predict the continuation
         target = torch.tensor(continuation, device=z.device)
         log_probs = torch.log_softmax(z.double(), dim=-1).gather(1, target[:, None]).squeeze(1)  # (c,) in fp64: sums
         return log_probs.sum().item(), bool((z.argmax(dim=-1) == target).all())
@@ -243,7 +243,8 @@ class CheckpointModel:
         tokens, new = [BOS_ID, *prompt], []
         generator = torch.Generator().manual_seed(seed)
         for _ in range(max_tokens):
-            logits = yield tokens[-self.max_len:]
+            window = tokens[-self.max_len:]
+            logits = yield window, len(window) - 1  # (1, V): the last row only
             z = logits[-1, :self.encoding.n_vocab].float().cpu()  # (50257,): the padded ids have no text
             if temperature == 0:
                 token = int(z.argmax())

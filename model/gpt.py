@@ -22,7 +22,8 @@ Forward contract (B = 1; T tokens of the rank's packed batch):
   `StepArgs`. Training returns the summed loss over the T tokens (fp8 MLPs and lm_head; call
   `refresh_fp8()` after every optimizer step and before the first training forward); validation
   (`step.training=False`) returns the mean next-token cross-entropy (bf16, no MTP/prefix/sampling),
-  or with `step.logits` the softcapped logits [T, V] fp32 that loss is the cross-entropy of (evaluate.py).
+  or with `step.logits` the softcapped logits [T, V] fp32 that loss is the cross-entropy of (evaluate.py;
+  rows `step.logits_from`.. only, since the lm_head is most of a short evaluation forward).
 
 Hooks for the training loop: `refresh_fp8()` after every optimizer step; `rearm_fp8()` after the
 post-warmup reset; `rescale_rotary(old, new)` when the (ws_short, ws_long) windows change (YaRN);
@@ -112,7 +113,8 @@ class StepArgs:
     training: bool = True  # False: the validation forward (bf16, mean CE)
     max_seq_len: int | None = None  # longest attention segment of the batch (Batch.max_seq_len; FA3)
     canonical_mask: Tensor | None = None  # validation: record #92's packed (prev, cur) mask, or None
-    logits: bool = False  # validation only: return the softcapped logits [T, V] fp32, not the mean loss (evaluate.py)
+    logits: bool = False  # validation only: return the softcapped logits fp32, not the mean loss (evaluate.py)
+    logits_from: int = 0  # with logits: rows logits_from.. only, [T − logits_from, V] (the rows the caller reads)
 
     @property
     def prefix_on(self) -> bool:
@@ -428,7 +430,7 @@ class GPT(nn.Module):
 
         if not step.training:
             if step.logits:  # evaluate.py: log-probabilities and next tokens (no canonical mask)
-                return validation_logits(x, self.lm_head.weight)
+                return validation_logits(x[step.logits_from:], self.lm_head.weight)
             return validation_loss(x, self.lm_head.weight, targets, inputs, step.canonical_mask)
         prefix = self.prefix_table[targets] if step.prefix_on else None
         return training_loss(x, self.lm_head.weight, targets, step.mtp_weights, prefix, step.prefix_weight,

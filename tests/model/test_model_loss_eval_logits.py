@@ -36,3 +36,7 @@ def test_the_validation_loss_is_the_cross_entropy_of_the_returned_logits():
     assert abs(nll[:4].sum().item() - by_hand) < 1e-9
     assert abs(nll.mean().item() - loss.item()) < 1e-5 * loss.item()
     assert nll.std() > 0.01  # the rows differ: a check the loss could fail
+    with torch.no_grad():  # the last rows alone: what evaluate.py reads
+        tail = model(inputs, targets, cu, rows, signs, StepArgs(ws_short=1, ws_long=3, training=False, logits=True,
+                                                                logits_from=T - 5))
+    assert torch.equal(tail, logits[T - 5:])
