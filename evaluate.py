@@ -34,7 +34,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -542,8 +542,12 @@ def main(argv=None) -> None:
         args = parse_args(argv)
         cfg, step = read_checkpoint(args.checkpoint)
         manager = check_tasks(args.task_names, args.data) if args.task_names else None
+        # the execution path of the device the run lands on (the CPU's with --device cpu on a GPU
+        # node), eager: no compile (every document length would be a graph), no CUDA graphs
+        cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        backend = replace(perf_backend.detect(device="cuda" if cuda else "cpu"), compile=False, cuda_graphs=False)
         try:
-            with perf_backend.use_backend(compile=False, cuda_graphs=False):
+            with perf_backend.use_backend(**asdict(backend)):
                 evaluate(args, cfg, step, manager)
         finally:  # after a failure too, so the other ranks are not left waiting on a collective
             if dist.is_initialized():

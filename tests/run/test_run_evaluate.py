@@ -10,7 +10,7 @@ n-gram rows at zero. The tests that score tasks need lm-eval (requirements-eval.
 import contextlib
 import io
 import json
-import math
+import os
 import re
 from dataclasses import replace
 
@@ -248,7 +248,6 @@ def test_two_ranks_give_the_scores_and_text_of_one_process(one_process, checkpoi
     args = [str(checkpoint), "--tasks", "hellaswag", "--data", str(one_process["data"]), "--sample", PROMPT,
             "--tokens", "4", "--temperature", "0", "--runs", str(tmp_path / "runs.jsonl")]
     env = {"EVALUATE_ARGS": json.dumps(args), "HF_HUB_OFFLINE": "1"}
-    import os
     if os.environ.get("TIKTOKEN_CACHE_DIR"):
         env["TIKTOKEN_CACHE_DIR"] = os.environ["TIKTOKEN_CACHE_DIR"]
     logs = run_workers(TWO_RANKS, tmp_path, 2, tmp_path / "scored", timeout=300, env=env)
