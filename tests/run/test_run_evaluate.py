@@ -347,3 +347,28 @@ def test_harness_tasks_that_import_evaluate_get_hugging_faces_package():
         hf = importlib.import_module("evaluate")
         assert hf is not evaluate and hasattr(hf, "load") and "site-packages" in hf.__file__
     assert sys.modules["evaluate"] is evaluate and importlib.import_module("evaluate") is evaluate
+
+
+class _Request:  # what the harness hands an LM: an Instance's args
+    def __init__(self, *args):
+        self.args = args
+
+
+@needs_harness
+def test_the_harness_lm_rolls_long_texts_over_every_token_and_generates_until_a_stop(model, monkeypatch):
+    lm = evaluate.harness_lm(model)
+    text = "Now is the winter of our discontent made glorious summer by this sun of York."
+    tokens = model.encode(text)
+    (rolled,) = lm.loglikelihood_rolling([_Request(text)])
+    (whole, _), = model.score([([evaluate.BOS_ID], tokens)])
+    assert rolled == whole  # shorter than the model's reach: one window, [BOS] then every token
+    scored, score = [], model.score
+    monkeypatch.setattr(model, "score", lambda pairs, desc="": scored.extend(pairs) or score(pairs, desc))
+    monkeypatch.setattr(model, "max_len", 8)  # a long text: several windows
+    lm.loglikelihood_rolling([_Request(text + " " + text)])
+    tokens = model.encode(text + " " + text)
+    assert len(scored) >= len(tokens) // 8 and [t for _, cont in scored for t in cont] == tokens  # each token once
+    assert all(len(ctx) + len(cont) <= 9 for ctx, cont in scored)
+    monkeypatch.undo()
+    (text_out,) = lm.generate_until([_Request(PROMPT, {"until": ["\n"], "max_gen_toks": 5})])
+    assert text_out == model.generate([PROMPT], 5, until=["\n"])[0] and "\n" not in text_out
