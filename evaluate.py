@@ -16,7 +16,7 @@ hellaswag task with its data swapped for the file), the table and the runs.jsonl
 
 The model is built by training.py's Setup and Run, as the training builds it, and loaded by
 training.load_checkpoint; it runs its validation forward (bf16, no canonical mask, the final
-windows) with `StepArgs(logits=True)`, eagerly. One document per forward: [BOS] + context +
+windows) with `StepArgs(logits=True, logits_from=k)` (the rows it reads), eagerly. One document per forward: [BOS] + context +
 continuation. Packing several would change the scores, since the smear, the key offset and the
 n-gram hashes read the previous token across documents; alone, a document's scores do not
 depend on what else is scored, on the order, nor on how many processes share the work. Under
@@ -151,11 +151,11 @@ class CheckpointModel:
 
     # --- the lockstep -----------------------------------------------------------------------------------
     def run_jobs(self, jobs: list, desc: str | None = None) -> list:
-        """Run jobs (generators: each yields (tokens, start), receives `logits(tokens, start)`, and returns its
-        result) and return their results in order, on every rank (a progress bar on rank 0 when
-        `desc` names the work). Job i runs on rank i % W. Every
-        rank forwards once per round, a rank out of work a two-token stand-in, until no rank has
-        work left: the row exchange inside each forward is a collective of all ranks."""
+        """Run jobs (generators: each yields (tokens, start), receives `logits(tokens, start)` and
+        returns its result); their results in order, on every rank (a progress bar on rank 0 when
+        `desc` names the work). Job i runs on rank i % W. Every rank forwards once per round, a rank
+        out of work a two-token stand-in, until no rank has work left: the row exchange inside each
+        forward is a collective of all ranks."""
         W, rank = self.setup.world_size, self.setup.rank
         queue = collections.deque(range(rank, len(jobs), W))
         results: dict[int, object] = {}
