@@ -129,6 +129,14 @@ def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, pr
     return loss
 
 
+def validation_logits(x: Tensor, lm_head_w: Tensor) -> Tensor:
+    """The validation forward's softcapped logits of the final normed rows x [T, D]: bf16 product and
+    softcap (in the logits' dtype), then fp32 [T, V]. `validation_loss` is their cross-entropy;
+    evaluate.py reads per-token log-probabilities and next-token choices from them (GPT.forward with
+    StepArgs(training=False, logits=True))."""
+    return softcap(x @ lm_head_w).float()
+
+
 def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, inputs: Tensor | None = None,
                     canonical_mask: Tensor | None = None) -> Tensor:
     """Mean next-token CE over the full vocabulary: bf16 logits and softcap, fp32 cross-entropy,
@@ -138,7 +146,7 @@ def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, inputs: Tenso
     emits; after token inputs[t] those classes drop out of row t's softmax."""
     total = x.new_zeros((), dtype=torch.float32)
     for lo in range(0, x.shape[0], EVAL_CE_SLAB_ROWS):
-        z = softcap(x[lo: lo + EVAL_CE_SLAB_ROWS] @ lm_head_w).float()  # softcap in the logits' dtype
+        z = validation_logits(x[lo: lo + EVAL_CE_SLAB_ROWS], lm_head_w)
         if canonical_mask is not None:
             z = apply_canonical_mask(z, inputs[lo: lo + EVAL_CE_SLAB_ROWS], canonical_mask)
         total = total + F.cross_entropy(z, targets[lo: lo + EVAL_CE_SLAB_ROWS], reduction="sum")

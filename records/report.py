@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, problems = read_runs(args.runs)
     for lineno, why in problems:
         print(f"warning: {args.runs}:{lineno}: skipped malformed line: {why}", file=sys.stderr)
+    runs = [r for r in runs if r.get("kind") != "evaluation"]  # evaluate.py's score lines are not training runs
     finished = [r for r in runs if is_finished(r)]
     if len(finished) < len(runs):
         print(f"note: {len(runs) - len(finished)} run(s) not finished (failed, interrupted or without "

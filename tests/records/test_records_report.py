@@ -1,6 +1,7 @@
 """The records report: statistics against hand-computed numbers, grouping, bad lines, the plot."""
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -147,3 +148,16 @@ def test_without_scipy_and_matplotlib_it_still_prints(tmp_path, capsys, monkeypa
     # t = (3.28 - 3.271) / (0.001 / sqrt(3)) = 15.59 by hand
     assert "| smoke | 3 | 1.100 ± 0.100 | 3.27100 ± 0.00100 | 15.59 | 2 | needs scipy |" in captured.out
     assert not (tmp_path / "p.png").exists()
+
+
+def test_evaluation_lines_are_not_counted_as_runs(tmp_path, capsys):
+    """evaluate.py appends a `kind: evaluation` line (a checkpoint's task scores) under the run's id."""
+    runs = tmp_path / "runs.jsonl"
+    _write_runs(runs, {"record": ([3.279, 3.277], [40.0, 41.0])})
+    with open(runs, "a") as f:
+        f.write(json.dumps({"run_id": "record-0", "kind": "evaluation", "status": "finished",
+                            "tasks": {"hellaswag": {"items": 10042, "acc": 0.29, "acc_norm": 0.31}}}) + "\n")
+    assert report.main(["--runs", str(runs)]) == 0
+    out, err = capsys.readouterr()
+    assert "not finished" not in err
+    assert re.search(r"^\| record \| 2 \|", out, re.M), out
