@@ -190,7 +190,7 @@ OPTIM_PRESETS = {"record": OptimConfig(), "dev": OptimConfig(), "smoke": OptimCo
 class FeatureConfig:
     """Which of the record's features a run has: `--set features.ngram=false` and so on. Every
     default is the record (all on). A switched-off feature costs nothing: no tensor allocated, no
-    kernel launched, no collective, no host work (README "Feature switches" lists each with #360's
+    kernel launched, no collective, no host work (docs/features.md lists each with #360's
     measured gain). The other switches that price a feature exist elsewhere:
     `--set optim.bank_optimizer=normuon` (ANVIL -> record #89's NorMuon), SPEEDRUN_CUDA_GRAPHS=0
     and SPEEDRUN_COMPILE=0 (perf/backend.py: execution paths, not math)."""

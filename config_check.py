@@ -7,7 +7,7 @@ raises one `config.ConfigError` holding every problem found, one line each: the 
 its value, what is allowed, the fix. Entry points run under `exit_on_config_error`, which prints
 those lines and exits 2 without a traceback; a traceback stays for bugs.
 
-The README's "Bad input" table lists what is checked.
+docs/bad_input.md lists what is checked.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ CE in one autograd node: e4m3 logits go straight into the softcapped CE, which k
 `softcapped_loss_lse` does the same on the bf16 GEMM's bf16 logits (2 bytes per element; its fp32
 temporaries one slab of rows at a time), so the ablation differs from the record by its GEMMs and
 the logits' width only. Both return (Σ_t L_t, lse [T]) with lse differentiable,
-so a term in lse is one line in `training_loss`, no kernel edit (README "Adding a loss term"). Both
+so a term in lse is one line in `training_loss`, no kernel edit (docs/loss_terms.md). Both
 CEs (the fused kernels on the fast path, their portable twins elsewhere) compute σ and z in fp32
 with the exact gradient (the record's kernel caches σ in fp16 and sums all MTP weights into its
 softmax term even on the last K−1 rows, a quirk on <= 2 rows per rank that ours leaves out).
@@ -124,8 +124,8 @@ def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, pr
         # temporaries live one slab of rows at a time, so no fp32 [T, N] exists
         loss, lse = softcapped_loss_lse(x @ w, targets, mtp_weights, prefix_targets, prefix_weight)
     # lse [T] (over C under the sampled softmax) is differentiable on both paths, so a term in it is
-    # one line here, e.g. a z-loss `loss = loss + 1e-4 * lse.square().sum()` (README "Adding a loss
-    # term"); the record has none
+    # one line here, e.g. a z-loss `loss = loss + 1e-4 * lse.square().sum()` (docs/loss_terms.md);
+    # the record has none
     return loss
 
 

@@ -2,7 +2,7 @@
 group, the model or any batch exists, prints one `train_gpt.py: error: ...` line per problem naming
 the flag or variable, exits 2 without a traceback, and leaves one `failed` runs.jsonl line.
 
-The README's "Bad input" table lists the same cases."""
+docs/bad_input.md's table lists the same cases."""
 import json
 import os
 import subprocess
