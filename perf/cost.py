@@ -538,7 +538,7 @@ def step_parameters(model, softmax_p: int | None) -> dict[str, int]:
 
 
 def geometry_cost(rank, settings, steps) -> GeometryCost:
-    """Count one forward and backward at `settings`' geometry on "meta" (perf.memory's inputs)."""
+    """Count one forward and backward at `settings`' geometry on "meta" (meta_rank.meta_step's inputs)."""
     from model import attention as model_attention
     from perf.backend import use_backend
 
