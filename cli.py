@@ -76,7 +76,7 @@ def preset_run_config(name: str, assignments: list[str]) -> RunConfig:
 
 def parse_preset_args(prog: str, description: str, argv, presets, world_size_help: str,
                       world_size_default: int | None = None, ranks_of=None) -> argparse.Namespace:
-    """The measuring tools' command line (model.summary, perf.memory, perf.cost): --config PRESET,
+    """The measuring tools' command line (model.summary, perf.tools.memory, perf.checks.cost): --config PRESET,
     --world-size W and --set SECTION.FIELD=VALUE (repeatable; `args.run_config` is the preset's
     RunConfig with them applied), bad input refused in one line with exit 2. ranks_of: preset name
     -> the ranks W must divide (the process count of a run); None: any positive W."""

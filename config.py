@@ -284,7 +284,7 @@ class RunConfig:
     features: FeatureConfig = FeatureConfig()  # ablation switches, all on (--set features.ngram=false)
     # ours: how long a rank waits in a collective for the others (the process group's timeout). Sized
     # against a cold compile: ranks compile each geometry between two collectives of the warmup, and
-    # one geometry of the record took up to 140 s to compile for SM90 on 2 CPU cores (perf.cross_compile);
+    # one geometry of the record took up to 140 s to compile for SM90 on 2 CPU cores (perf.tools.cross_compile);
     # 600 s leaves 4x for a rank whose compile cache is cold while the others' are warm.
     collective_timeout_s: int = 600
     # ours: where the n-gram table lives (perf/host_table.py): "device", "host" (host memory, rows

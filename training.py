@@ -6,8 +6,8 @@
     warmup_steps the steps the untimed warmup visits (every geometry, and every CUDA-graph key twice)
     checkpoints  save_checkpoint / load_checkpoint
 
-It lives apart from train_gpt.py so that tools (perf/cuda_graphs/contract.py and capture.py, perf/cross_compile.py,
-perf/memory.py, the tests) build the run exactly as the script does without importing the script: nothing imports
+It lives apart from train_gpt.py so that tools (perf/tools/capture_contract.py and capture.py, perf/tools/cross_compile.py,
+perf/tools/memory.py, the tests) build the run exactly as the script does without importing the script: nothing imports
 train_gpt.py, so no import circle runs through it (docs/design.md, "Import rules").
 """
 from __future__ import annotations
@@ -34,14 +34,14 @@ from optim.manager import NgramRowOptimizer, OptimizerManager
 from optim.row_exchange import RowExchange
 from optim.schedule import StepWeights, TrainingSchedule
 from perf import backend as perf_backend
-from perf.collective_order import CollectiveRecorder
+from perf.checks.collective_order import CollectiveRecorder
 from perf.compile import compile_model
 from perf.cuda_graphs.capture import RegionGraphs
 from perf.cuda_graphs.state import run_state
 from perf.host_table import HostRows, choose_placement
 from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS, roll_delayed_scales
 from perf.pinned_batches import PinnedBatchRing
-from perf.sync_check import host_side
+from perf.checks.sync_check import host_side
 from records.run_log import read_source
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -58,7 +58,7 @@ class Setup:
                  device: torch.device | str | None = None, backend: perf_backend.Backend | None = None):
         """From torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) and the detected backend; or,
         with a device given, rank `rank` of `world_size` processes as given, no variable read and no
-        device made current: how the tools model one rank of a run on "meta" (perf/meta_rank.py)."""
+        device made current: how the tools model one rank of a run on "meta" (perf/checks/meta_rank.py)."""
         if device is None:
             self.rank = int(os.environ.get("RANK", 0))
             self.world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -120,7 +120,7 @@ class Run:
 
     def __init__(self, cfg: RunConfig, setup: Setup):
         """On a "meta" setup (`Setup(cfg, rank, world_size, device="meta", backend)`) this builds
-        one rank of the run as the tools count it (perf/meta_rank.py), allocating and communicating
+        one rank of the run as the tools count it (perf/checks/meta_rank.py), allocating and communicating
         nothing: no seed (the tool's process keeps its random state), the model made on "meta" (no
         host copy), no process group (no broadcast; the optimizer shards for the Setup's rank), the
         n-gram table on the device (the tools place it themselves) and the reset snapshot on
@@ -178,7 +178,7 @@ class Run:
         self.hash_sizes = ngram_hash_sizes(cfg.model) if features.ngram else NO_NGRAM
         # CUDA graphs (SPEEDRUN_CUDA_GRAPHS): train_step runs each capturable region through
         # run_region(name, key, fn); the warmup captures every key, the timed loop replays
-        # (perf/cuda_graphs/capture.py; on CPU its twin). perf/cuda_graphs/contract.py swaps its checker in as region_runner.
+        # (perf/cuda_graphs/capture.py; on CPU its twin). perf/tools/capture_contract.py swaps its checker in as region_runner.
         self.graphs = RegionGraphs.for_device(setup.device, lambda: run_state(self), strict=cfg.requires_fast_path) \
             if setup.backend.cuda_graphs else None
         self.region_runner = self.graphs.run if self.graphs is not None else run_eagerly
@@ -445,7 +445,7 @@ class Run:
             return [dummy_batch(tokens, schedule.doc_cap(step), seed=step, **self.hash_sizes)
                     for _ in self.setup.virtual_ranks]
 
-        # one order of collectives on every rank (perf/collective_order.py): each collective of the
+        # one order of collectives on every rank (perf/checks/collective_order.py): each collective of the
         # warmup is recorded with the run's position and its region call, and the ranks' sequences
         # and the ordering rule are checked at the end, off the clock (no collective on 1 process)
         recorder = CollectiveRecorder(lambda: self.position) if self.setup.world_size > 1 else None

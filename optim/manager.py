@@ -153,7 +153,7 @@ class ScalarTable:
     """Every entry's 0-D device scalars (Entry.scalars) as views of one fp32 device table, written
     from a host copy through reused pinned buffers: one host→device copy per step
     (`OptimizerManager.load_scalars`) where a fill_ per scalar was a launch each (4 per bank, 2 per
-    Adam parameter: 42 at an Adam step of the record; perf/bench_host.py counts them). The host
+    Adam parameter: 42 at an Adam step of the record; perf/tools/bench_host.py counts them). The host
     copy keeps every scalar's current value, so the copy leaves the entries a step does not update
     as they were; the values are rounded to fp32 on the host as fill_ rounds them (bitwise the same
     device scalars). Built before any write, when the scalars still hold their initial zeros."""
@@ -193,7 +193,7 @@ class OptimizerManager:
         lr 0 and so never move. Without it, a bank's own `frozen_matrices` attribute is used (the
         record model marks mlp slot 7, layer 7 having no MLP: matrices 14 and 15).
         layout: (rank, world_size) to shard for instead of the process group's, for a rank without
-        one: a training.Run on "meta", as the tools model a rank (perf/meta_rank.py), whose
+        one: a training.Run on "meta", as the tools model a rank (perf/checks/meta_rank.py), whose
         collectives they replace.
         keep_grads: zero the consumed gradients in place instead of releasing them (`p.grad = None`),
         so the next backward accumulates into the same storage: what a captured backward and update

@@ -278,7 +278,7 @@ def load_fa3_from_dir(root: Path, expected_sha256: str | None = None):
     except Exception as exc:
         raise RuntimeError(f"FA3: importing {package_dir} ({FA3_DIR_ENV}) failed ({type(exc).__name__}: {exc}); "
                            f"the record's build needs torch {FA3_TORCH} (found {torch.__version__}) and "
-                           f"libcudart.so.13 on the loader path (`python -m perf.preflight` checks both)") from exc
+                           f"libcudart.so.13 on the loader path (`python -m perf.checks.preflight` checks both)") from exc
     if not hasattr(package, "flash_attn_interface"):
         raise RuntimeError(f"FA3: {package_dir / '__init__.py'} ({FA3_DIR_ENV}) has no `flash_attn_interface`; "
                            f"point {FA3_DIR_ENV} at a download of {FA3_REPO}@{FA3_REVISION}")
@@ -349,7 +349,7 @@ def check_fa3_compilable(fa3=None, device: str = "cuda") -> None:
     """Raise unless FA3's varlen call traces on fake tensors, forward and backward: torch.compile
     traces the model with fake tensors, so every op FA3 calls needs a fake (shape) kernel, or the
     record's first compiled step fails after minutes of compiling. Seconds, no kernel runs; the
-    record preset calls it at start-up, before the clock, and `python -m perf.preflight` reports it."""
+    record preset calls it at start-up, before the clock, and `python -m perf.checks.preflight` reports it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fa3 = fa3 if fa3 is not None else load_fa3()

@@ -40,7 +40,7 @@ def col_major(t: Tensor) -> Tensor:
 # it as an extern kernel, cuBLASLt's _scaled_mm, instead of lowering torch._scaled_mm itself. The
 # lowering considers inductor's own Triton templates on SM90 and reshapes each 0-D scale to [1, 1];
 # a scale that is a 0-D view of a per-slot buffer (`state.post_scale[k]`) then fails to lower
-# ("12 != 1"; python -m perf.cross_compile finds it, tests/perf/test_perf_cross_compile.py keeps it).
+# ("12 != 1"; python -m perf.tools.cross_compile finds it, tests/perf/test_perf_cross_compile.py keeps it).
 @torch.library.custom_op("speedrun::scaled_mm", mutates_args=())
 def _scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
                   fast_accum: bool) -> Tensor:
@@ -94,7 +94,7 @@ def quantize_lm_head(w: Tensor) -> Tensor:
 # casts into one kernel over [T, N] (every fp32 slab alive at once: 2.8 GB per rank at the record's
 # stage 2, T = 49,152 and P = 14,336), and that kernel does not even compile: its e4m3 NaN fill
 # constant fails in Triton 3.8 ("'llvm.fptrunc' op result #0 must be floating point"; found by
-# python -m perf.cross_compile --config record --steps 681).
+# python -m perf.tools.cross_compile --config record --steps 681).
 @torch.library.custom_op("speedrun::lm_head_logits_e4m3", mutates_args=())
 def _lm_head_logits_e4m3_op(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
     T, N = x8.shape[0], w8.shape[1]

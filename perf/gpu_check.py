@@ -665,16 +665,16 @@ def check_model_step(ctx: Context) -> list[Result]:
     estimate = _step_memory_estimate_mib(preset, 2 if ctx.dry_run else 1, step)
     return [Result("model_step", case, abs(value - reference) / abs(reference), 2e-2, "rel", kernel_ms=kernel_ms,
                    torch_ms=torch_ms, peak_mib=peak,
-                   note=f"loss {value:.5f} vs portable {reference:.5f}; perf.memory estimates "
+                   note=f"loss {value:.5f} vs portable {reference:.5f}; perf.tools.memory estimates "
                         f"{estimate:,.0f} MiB for this preset and geometry on {2 if ctx.dry_run else 1} process(es)")]
 
 
 def _step_memory_estimate_mib(preset: str, world_size: int, step: int) -> float:
-    """`python -m perf.memory --config PRESET --world-size W`'s estimate for the geometry of
+    """`python -m perf.tools.memory --config PRESET --world-size W`'s estimate for the geometry of
     `step` (static device items + that step's column), in MiB, to print next to the measured peak."""
     from config import RUN_PRESETS
-    from perf.memory import static_items, step_memory
-    from perf.meta_rank import build_rank_on_meta, geometries
+    from perf.tools.memory import static_items, step_memory
+    from perf.checks.meta_rank import build_rank_on_meta, geometries
 
     rank = build_rank_on_meta(RUN_PRESETS[preset], world_size)
     settings, steps = next((g, st) for g, st in geometries(rank.schedule) if step in st)

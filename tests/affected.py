@@ -10,7 +10,7 @@ tests/model/test_model_loss*.py, perf/kernels/mlp.py -> tests/kernels/test_kerne
 a top-level file such as train_gpt.py or config.py -> tests/run/), or when it reaches a changed
 module through any chain of the project's modules: an import (at the top or inside a function), an
 import in a worker script it keeps as a string (tests/gloo_workers.py runs those), or a module or
-file it launches (`"-m", "perf.cross_compile"`, `"data/tokenize.py"`), and so on from each of those.
+file it launches (`"-m", "perf.tools.cross_compile"`, `"data/tokenize.py"`), and so on from each of those.
 Tests that read the tree as text run for any change to what they read (`READERS`: the import-circle
 and citation checks, the README's). A change to the test set-up (conftest, pyproject, requirements)
 selects everything. Files are read, not run, so it cannot see an import built at run time
@@ -66,7 +66,7 @@ def names_in(path: Path) -> set[str]:
                         trees.append(ast.parse(textwrap.dedent(text)))
                     except SyntaxError:
                         pass
-                if text.endswith(".py") or ("." in text and " " not in text):  # "perf.cross_compile", "train_gpt.py"
+                if text.endswith(".py") or ("." in text and " " not in text):  # "perf.tools.cross_compile", "train_gpt.py"
                     found.add(module_name(text))
     return {package for name in found for package in with_packages(name)}
 

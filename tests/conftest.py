@@ -75,7 +75,7 @@ def _start_cross_compile(out_dir: Path) -> None:
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # Triton must compile
     out, err = open(out_dir / "stdout.txt", "w+"), open(out_dir / "stderr.txt", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "perf.cross_compile", *CROSS_COMPILE_SMOKE_ARGS], cwd=REPO_ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "perf.tools.cross_compile", *CROSS_COMPILE_SMOKE_ARGS], cwd=REPO_ROOT,
                             env=env, stdout=out, stderr=err, text=True)
     _cross_compile_run.update(proc=proc, out=out, err=err)
 
@@ -96,7 +96,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def smoke_cross_compile(tmp_path_factory):
-    """(exit code, stdout, stderr) of `python -m perf.cross_compile` on one smoke training geometry."""
+    """(exit code, stdout, stderr) of `python -m perf.tools.cross_compile` on one smoke training geometry."""
     if "proc" not in _cross_compile_run:  # not started at collection (e.g. selected by a plugin later)
         _start_cross_compile(tmp_path_factory.mktemp("cross_compile"))
     proc, out, err = _cross_compile_run["proc"], _cross_compile_run["out"], _cross_compile_run["err"]

@@ -4,8 +4,8 @@ form a graph without a cycle.
 Every import counts, the ones inside functions too (a lazy import only moves a circle to run time,
 where it fails half-way through a command, or hides that two modules depend on each other). An
 import names the module and, for `from a.b import c`, a.b.c when that is a module; the packages
-above an imported module count too (importing perf.cuda_graphs.cost runs perf/cuda_graphs/
-__init__.py), but not a module's own packages (perf/memory.py is inside perf/, whatever it imports).
+above an imported module count too (importing perf.tools.capture_cost runs perf/tools/
+__init__.py), but not a module's own packages (perf/tools/memory.py is inside perf/, whatever it imports).
 Relative imports are resolved. What the files do not say is not seen: `importlib.import_module` of a
 computed name, and scripts that tests run in subprocesses (their imports run in another process).
 """
@@ -130,7 +130,7 @@ def describe(cycle: list[str], graph: dict[str, dict[str, int]], modules: dict[s
 
 def test_the_repository_has_no_import_circle():
     graph, modules = import_graph(REPO), repository_modules(REPO)
-    assert len(graph) > 100 and "training" in graph and "perf.cuda_graphs.capture" in graph  # it read the tree
+    assert len(graph) > 100 and "training" in graph and "perf.cuda_graphs.capture" in graph and "perf.tools.memory" in graph  # it read the tree
     found = [describe(c, graph, modules, REPO) for c in cycles(graph)]
     assert found == [], "import circles (break each by moving what both sides need to a module of its own):\n" \
         + "\n".join(found)
@@ -171,3 +171,61 @@ def test_a_circle_through_a_function_local_import_is_found_and_named(repo):
 def test_no_circle_once_it_is_broken(repo):
     (repo / "net/c.py").write_text("def f():\n    return 1\n")
     assert cycles(import_graph(repo)) == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# the house plan: what a run executes apart from the tools (perf/__init__.py)
+# ----------------------------------------------------------------------------------------------------
+
+TOOLS = ("perf.tools", "perf.gpu_check")      # run as commands; gpu_check stays where the GPU runbook calls it
+CHECKS = ("perf.checks",)                      # called by the run, off the clock
+RUN_ENTRY_POINTS = ("train_gpt", "training", "evaluate")
+
+
+def _under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def reachable(graph: dict[str, dict[str, int]], start: str) -> dict[str, str]:
+    """{module: the module that first imported it} for everything `start` imports, at any depth."""
+    seen, todo = {start: ""}, [start]
+    while todo:
+        a = todo.pop()
+        for b in graph.get(a, {}):
+            if b not in seen:
+                seen[b] = a
+                todo.append(b)
+    return seen
+
+
+def split_violations(graph: dict[str, dict[str, int]]) -> list[str]:
+    broken = []
+    for entry in RUN_ENTRY_POINTS:  # a run never loads a tool, through any chain
+        if entry in graph:
+            via = reachable(graph, entry)
+            broken += [f"{entry} reaches the tool {m} (imported by {via[m]})" for m in via if _under(m, TOOLS)]
+    for name, imported in graph.items():
+        if _under(name, TOOLS) or name.startswith("tests"):
+            continue
+        runtime = name.split(".")[0] in ("model", "optim", "data") or (
+            name.startswith("perf") and not _under(name, CHECKS))
+        broken += [f"{name} imports the tool {m}" for m in imported if _under(m, TOOLS)]
+        if runtime:  # what a step executes does not call the off-the-clock checks
+            broken += [f"{name} (run-time) imports the check {m}" for m in imported if _under(m, CHECKS)]
+    return broken
+
+
+def test_the_run_time_code_is_apart_from_the_checks_and_the_tools():
+    graph = import_graph(REPO)
+    assert "perf.checks.preflight" in graph and "perf.tools.cross_compile" in graph and "perf.kernels.mlp" in graph
+    assert split_violations(graph) == []
+
+
+def test_the_split_rule_names_a_tool_reached_through_a_chain():
+    graph = {"train_gpt": {"training": 1}, "training": {"perf.fp8": 3}, "perf.fp8": {"perf.tools.memory": 9},
+             "perf.tools.memory": {}, "perf.kernels.mlp": {"perf.checks.cost": 1}, "perf.checks.cost": {}}
+    assert split_violations(graph) == [
+        "train_gpt reaches the tool perf.tools.memory (imported by perf.fp8)",
+        "training reaches the tool perf.tools.memory (imported by perf.fp8)",
+        "perf.fp8 imports the tool perf.tools.memory",
+        "perf.kernels.mlp (run-time) imports the check perf.checks.cost"]

@@ -8,7 +8,7 @@ them all in one call.
 
 `RegionGraphs.run(region, key, fn)` is what `training.Run.train_step` calls for each capturable
 region ("forward_backward" per step geometry, "optimizer" per optimizer phase and fp8 refresh
-mode; perf/cuda_graphs/contract.py states what a region must keep to be capturable):
+mode; perf/tools/capture_contract.py states what a region must keep to be capturable):
 
 * while `capturing` (the untimed warmup), the first call of a key runs `fn` eagerly (the warm-up
   a capture needs: lazy state, autotuning, cuBLAS and NCCL set-up; on a side stream on CUDA) and
@@ -35,15 +35,15 @@ Two graph kinds share that plan:
   replay skips (a host counter, a tensor swapped in by Python, a per-step Python number) trains
   differently under it, so `SPEEDRUN_CUDA_GRAPHS=1` on CPU proves the capture plan end to end:
 
-      python -m perf.cuda_graphs.compare --config smoke --steps 6   # graphed vs eager, bit for bit
+      python -m perf.tools.capture_compare --config smoke --steps 6   # graphed vs eager, bit for bit
 
 Bitwise: the CPU twin replays the very ops eager runs, so its check demands equal bits. On CUDA
 kernels that accumulate with atomics (embedding backward, split reductions) may differ in the
 last bits between two runs, so the check allows `CUDA_TOLERANCE` of the tensor's largest
 magnitude and reports how many tensors matched bit for bit.
 
-What the check costs a rank, and its bound (`python -m perf.memory --config record` prints it per
-key, computed on "meta" by perf/cuda_graphs/cost.py):
+What the check costs a rank, and its bound (`python -m perf.tools.memory --config record` prints it per
+key, computed on "meta" by perf/tools/capture_cost.py):
 
 * it looks only at state a region can write: `written_outside_regions` names what only code
   outside every region writes (the n-gram table shard, 15.1 GiB per rank on the record, its row
@@ -293,7 +293,7 @@ def state_fingerprints(named: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
 
 def _unique_storages(named: list[tuple[str, Tensor]], storage_key=None) -> list[tuple[str, Tensor]]:
     """The first name of each view of a storage (a parameter and its optimizer view share one).
-    storage_key: what tells storages apart (the data pointer; perf/cuda_graphs/cost.py passes the
+    storage_key: what tells storages apart (the data pointer; perf/tools/capture_cost.py passes the
     StorageImpl on "meta", where every data pointer is 0)."""
     storage_key = storage_key or _storage_ptr
     seen, out = set(), []
@@ -315,7 +315,7 @@ def _excluded_marks(named: list[tuple[str, Tensor]]) -> dict[str, tuple]:
     """Per excluded tensor: (storage address, shape, version counter). Any aten write (in place,
     out=, through a view, all_gather_into_tensor, the table event's index_copy_) bumps the version;
     what does not (writes through `.data`, a c10d all_reduce or all_to_all, a raw Triton launch)
-    cannot happen to this state on the regions' code paths, which `perf/cuda_graphs/cost.py` checks
+    cannot happen to this state on the regions' code paths, which `perf/tools/capture_cost.py` checks
     structurally on "meta" (tests/perf/test_perf_capture_bytes.py)."""
     return {name: (_storage_ptr(t), tuple(t.shape), t._version) for name, t in named}
 
@@ -539,7 +539,7 @@ class RegionGraphs:
                 f"or storage changed), state the capture check leaves out because only code outside the regions "
                 f"writes it (perf/cuda_graphs/capture.py written_outside_regions): the check would neither restore "
                 f"nor compare it. Move the write out of the region, or take the name out of written_outside_regions "
-                f"(python -m perf.memory then prices its copies).")
+                f"(python -m perf.tools.memory then prices its copies).")
 
     def _warm_up(self, slot, fn: Callable):
         """The key's first call, eager (on the side stream on CUDA, as capture needs); notes the
@@ -638,7 +638,7 @@ class RegionGraphs:
                 f"CUDA graph of region {region!r} key {key!r}: its first replay does not match an eager run of the "
                 f"same call ({allowed}) in {len(bad)} of {len(pairs)} tensors: " + "; ".join(bad[:6])
                 + (" ..." if len(bad) > 6 else "") + ". The region keeps Python state a replay skips, or reads "
-                "an input that is not a static buffer (python -m perf.cuda_graphs.contract names it).")
+                "an input that is not a static buffer (python -m perf.tools.capture_contract names it).")
 
     def summary(self) -> str:
         """One line: graphs captured per region, how many check tensors matched bit for bit, replays."""

@@ -3,7 +3,7 @@ of a training.Run that outlives a region, by name (`run_state`), a storage's add
 and the dispatch mode both record a region's ops through (`OpRecordingMode`, `LIFT_OPS`).
 
 training.Run names its state for the capture (perf/cuda_graphs/capture.py), and the contract checker
-(perf/cuda_graphs/contract.py) and the capture-check count on "meta" (perf/cuda_graphs/cost.py) name
+(perf/tools/capture_contract.py) and the capture-check count on "meta" (perf/tools/capture_cost.py) name
 it the same way. This module imports no project module, so training.py, capture.py and the tools
 that build runs all import it without an import circle.
 """

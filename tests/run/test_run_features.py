@@ -249,8 +249,8 @@ def test_fp8_off_runs_bf16_gemms_and_keeps_no_fp8_cache():
 def test_tools_show_the_switches(capsys):
     from model import summary
     from optim import schedule
-    from perf.memory import static_items
-    from perf.meta_rank import build_rank_on_meta
+    from perf.tools.memory import static_items
+    from perf.checks.meta_rank import build_rank_on_meta
     summary.main(["--config", "smoke", "--set", "features.ngram=false"])
     out = capsys.readouterr().out
     assert "n-gram table: none (features.ngram off" in out and "ngram_sign_pool" not in out

@@ -135,7 +135,7 @@ def eager_three_steps(tmp_path_factory, shards):
 
 
 def test_a_cpu_run_records_tokens_per_second_its_overrides_and_no_mfu(eager_three_steps):
-    """perf/cost.py's RunCost on a CPU: tokens/s in the last step line and in runs.jsonl; no MFU (no
+    """perf/checks/cost.py's RunCost on a CPU: tokens/s in the last step line and in runs.jsonl; no MFU (no
     device peak to measure against); the --set assignments logged and recorded."""
     from optim.schedule import TrainingSchedule
 
@@ -347,7 +347,7 @@ def _sync_in_row_exchange(monkeypatch):
                                            (_sync_in_row_exchange, "row exchange")])
 def test_sync_check_names_an_injected_sync(tmp_path, shards, monkeypatch, inject, where):
     from perf import backend as perf_backend
-    from perf.sync_check import HostSyncError
+    from perf.checks.sync_check import HostSyncError
 
     inject(monkeypatch)
     with perf_backend.use_backend(sync_check=True, host_checks=False):

@@ -1,7 +1,7 @@
 """A preset's first steps graphed against eager, bit for bit: the CUDA-graph capture plan
 (perf/cuda_graphs/capture.py) proved end to end, on CUDA or, on a CPU, through its tape twin:
 
-    python -m perf.cuda_graphs.compare --config smoke --steps 6   # graphed vs eager, bit for bit
+    python -m perf.tools.capture_compare --config smoke --steps 6   # graphed vs eager, bit for bit
 
 Two one-process runs of the preset (`contract.build_run`), each warmed up for the steps asked (with
 every region captured in the graphed one), reset, then trained on the same dummy batches: their
@@ -17,7 +17,7 @@ import torch
 
 from data.loader import dummy_batch
 from perf import backend as perf_backend
-from perf.cuda_graphs.contract import build_run
+from perf.tools.capture_contract import build_run
 from perf.cuda_graphs.state import run_state
 
 def train_steps(config: str, steps: int, graphed: bool, seed: int = 0):

@@ -1,10 +1,10 @@
 """Host time of a record-shaped training step with the device work stubbed out: does the host keep
 33 ms steps fed? (issue 22, item 3)
 
-    python perf/bench_host.py --config record                # stage 2 steps, 49,152 tokens per rank
-    python perf/bench_host.py --config record --device-ms 33 # each step lasts 33 ms, as on the GPUs
-    python perf/bench_host.py --config record --start 340 --steps 48
-    python perf/bench_host.py --config smoke --steps 4       # tiny (the test)
+    python perf/tools/bench_host.py --config record                # stage 2 steps, 49,152 tokens per rank
+    python perf/tools/bench_host.py --config record --device-ms 33 # each step lasts 33 ms, as on the GPUs
+    python perf/tools/bench_host.py --config record --start 340 --steps 48
+    python perf/tools/bench_host.py --config smoke --steps 4       # tiny (the test)
 
 What runs is `training.Run.train_step` itself and the loop around it as train_gpt.py drives it
 (`loader.next_batches(step + 1)`, then `train_step(step, batches, following)`), for rank 0 of the
@@ -53,7 +53,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when run as a script
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -68,7 +68,7 @@ from data.loader import TrainLoader  # noqa: E402
 from data.shards import BOS_ID, write_shard  # noqa: E402
 from optim.schedule import StepWeights, TrainingSchedule  # noqa: E402
 from perf import backend as perf_backend  # noqa: E402
-from perf.sync_check import host_side  # noqa: E402
+from perf.checks.sync_check import host_side  # noqa: E402
 
 STEP_MS = 33.0  # record #360: step_avg 33.4 ms (its README), the issue's round 33 ms
 # ours: token ranks drawn with p(r) ~ r^-1.05 give ~10.8k distinct targets in 49,152 tokens, record
@@ -96,7 +96,7 @@ PARTS = (
 
 def text_like_shard(path: Path, num_tokens: int, seed: int = 0) -> None:
     """A shard of documents with FineWeb-like lengths (log-normal, median ~490 tokens, as
-    perf/bench_loader.py) whose tokens follow a Zipf law over a shuffled vocabulary (ZIPF_EXPONENT)."""
+    perf/tools/bench_loader.py) whose tokens follow a Zipf law over a shuffled vocabulary (ZIPF_EXPONENT)."""
     rng = np.random.default_rng(seed)
     lengths = np.maximum(1, rng.lognormal(mean=6.2, sigma=1.0, size=num_tokens // 300)).astype(np.int64)
     lengths = lengths[:np.searchsorted(np.cumsum(lengths + 1), num_tokens)]
@@ -465,7 +465,7 @@ def format_report(r: HostReport) -> str:
 
 
 def main(argv=None) -> HostReport:
-    prog = "python perf/bench_host.py"
+    prog = "python perf/tools/bench_host.py"
     with exit_on_config_error(prog):
         parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
         parser.add_argument("--config", default="record", choices=sorted(RUN_PRESETS))

@@ -1,11 +1,11 @@
 """What a training step costs, before renting and after: FLOPs, bytes moved, the time floor, MFU.
 
-    python -m perf.cost --config record                 # per geometry, per optimizer phase, the schedule's floor
-    python -m perf.cost --config dev --world-size 1
-    python -m perf.cost --config smoke
+    python -m perf.checks.cost --config record                 # per geometry, per optimizer phase, the schedule's floor
+    python -m perf.checks.cost --config dev --world-size 1
+    python -m perf.checks.cost --config smoke
 
 Everything is counted on "meta" (no allocation, seconds) from the project's own code, at one rank's
-shapes (`perf.meta_rank.build_rank_on_meta`: the run itself, built on "meta"), by `FlopCounter`, a
+shapes (`perf.checks.meta_rank.build_rank_on_meta`: the run itself, built on "meta"), by `FlopCounter`, a
 dispatch mode that sees every op:
 * FLOPs: one training forward and backward per schedule geometry on the portable path, torch's own
   formulas (`torch.utils.flop_counter`) for every GEMM, sorted by kind: `torch._scaled_mm` and our
@@ -24,7 +24,7 @@ dispatch mode that sees every op:
   event or not), its FLOPs and bytes, its collectives replaced by counters: the bytes each rank
   sends per step, by kind;
 * the n-gram row pull (every step) and gradient push (each table event): from the unique-row ratios
-  `perf/bench_rows.py` measured at stage-2 shapes (below, stated), and their HBM traffic estimated.
+  `perf/tools/bench_rows.py` measured at stage-2 shapes (below, stated), and their HBM traffic estimated.
 The floor: a roofline of every op (a GEMM or the attention at max(its FLOPs at its kind's dense
 peak, its bytes at HBM bandwidth); a memory-bound op at its bytes), the single-reader fusion's
 savings taken off; communication at the NVLink bandwidth one GPU sends; overlapped (max) and serial
@@ -49,7 +49,7 @@ from torch.utils.flop_counter import flop_registry
 
 from cli import parse_preset_args
 from config import RUN_PRESETS, RunConfig
-from perf.meta_rank import (PORTABLE_BACKEND, build_rank_on_meta, geometries, meta_step, standin_collectives,
+from perf.checks.meta_rank import (PORTABLE_BACKEND, build_rank_on_meta, geometries, meta_step, standin_collectives,
                             storage_key)
 
 aten = torch.ops.aten
@@ -442,7 +442,7 @@ class _AttentionShapes(torch.autograd.Function):
 # one rank's step: the model per geometry, the optimizer per phase, the n-gram rows
 # ----------------------------------------------------------------------------------------------------
 
-# perf/bench_rows.py at stage-2 shapes (8 ranks × 49,152 tokens, Tiny Shakespeare wrapped): 57k
+# perf/tools/bench_rows.py at stage-2 shapes (8 ranks × 49,152 tokens, Tiny Shakespeare wrapped): 57k
 # distinct n-gram ids of the 98k a rank's step holds (2 per token), and the README's push figures
 # (494-558 MB per rank per table event, fp32 rows of 768) put a 4-step cycle's distinct rows at about
 # half its ids. FineWeb's ratios differ; these are stated, not measured on it.
@@ -561,7 +561,7 @@ def geometry_cost(rank, settings, steps) -> GeometryCost:
 
 
 def counted_collectives(sent: collections.Counter, world_size: int):
-    """The manager's collectives (perf.meta_rank.standin_collectives) as counters of the bytes this
+    """The manager's collectives (perf.checks.meta_rank.standin_collectives) as counters of the bytes this
     rank sends on a ring (reduce-scatter and all-gather: (W-1)/W of the whole tensor; all-reduce:
     twice that), by collective and dtype."""
     share = (world_size - 1) / world_size
@@ -622,7 +622,7 @@ def ngram_sent_bytes(cfg: RunConfig, world_size: int, tokens: int, accum: int, t
 # ours: host↔device bandwidth a host-memory n-gram table moves rows at (PCIe Gen5 x16: 64 GB/s each
 # way on paper; 50 GB/s is what pinned copies reach in practice, the figure upstream PR #366 planned with)
 HOST_LINK_GB_PER_S = 50.0
-# perf.cost --config record (8 ranks, 2026-12-02): the fused floor is 30.04 s and record #360 ran in
+# perf.checks.cost --config record (8 ranks, 2026-12-02): the fused floor is 30.04 s and record #360 ran in
 # 39.9 s, 1.33× it; a prediction for fewer GPUs assumes the same fraction of its own floor
 RECORD_FLOOR_SECONDS = 30.04
 
@@ -879,7 +879,7 @@ def _all_matrix_params(cost: ScheduleCost) -> int:
 
 
 def main(argv=None) -> None:
-    args = parse_preset_args("python -m perf.cost", __doc__.split("\n\n")[0], argv, RUN_PRESETS,
+    args = parse_preset_args("python -m perf.checks.cost", __doc__.split("\n\n")[0], argv, RUN_PRESETS,
                              world_size_help="processes (default: the preset's ranks, 8 for record and dev; "
                                              "2 for smoke)",
                              ranks_of=lambda name: RUN_PRESETS[name].virtual_world_size)

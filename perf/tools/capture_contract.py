@@ -1,6 +1,6 @@
 """The CUDA-graph capture contract, checked on any device (a CPU is enough):
 
-    python -m perf.cuda_graphs.contract --config smoke --steps 6
+    python -m perf.tools.capture_contract --config smoke --steps 6
 
 A CUDA graph records the kernels of one call of a region and replays them: the same kernels, the
 same Python scalars baked into their arguments, the same device addresses. A region is capturable
@@ -8,7 +8,7 @@ only if every call of it with the same key would have recorded the same graph. `
 watches each call of each region (a TorchDispatchMode sees every aten op inside it, eager or
 compiled by aot_eager) and reports, per region and key:
 
-* host sync: an op a GPU would have to wait on (`perf/sync_check.py`'s list: `.item()`, `bool()` of
+* host sync: an op a GPU would have to wait on (`perf/checks/sync_check.py`'s list: `.item()`, `bool()` of
   a tensor, data-dependent output shapes); a capture fails on it;
 * storage moved: from the second call of a key on (the first call is the untimed warm-up that
   upstream runs before capturing), a tensor that existed before the region (parameter, gradient,
@@ -64,10 +64,10 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from perf.cuda_graphs.state import LIFT_OPS, OpRecordingMode, run_state, storage_ptr
-from perf.sync_check import sync_reason
+from perf.checks.sync_check import sync_reason
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-_SKIP_FILES = {str(Path(__file__).resolve()), str(REPO_ROOT / "perf" / "sync_check.py")}
+_SKIP_FILES = {str(Path(__file__).resolve()), str(REPO_ROOT / "perf" / "checks" / "sync_check.py")}
 _project_file: dict[str, bool] = {}
 
 
@@ -337,7 +337,7 @@ def build_run(config: str = "smoke", seed: int = 0):
     """A one-process training.Run of a preset, with host checks off (as on a GPU)."""
     import training
     from config import RUN_PRESETS
-    from perf.preflight import check_node
+    from perf.checks.preflight import check_node
     cfg = dataclasses.replace(RUN_PRESETS[config], seed=seed)
     setup = training.Setup(cfg)
     check_node(cfg, setup.backend)
@@ -397,7 +397,7 @@ def main(argv=None) -> int:
     from config_check import data_problems, shard_globs
     from optim.schedule import TrainingSchedule
 
-    prog = "python -m perf.cuda_graphs.contract"
+    prog = "python -m perf.tools.capture_contract"
     with exit_on_config_error(prog):
         ap = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
         ap.add_argument("--config", default="smoke", help="run preset (default: smoke)")

@@ -1,9 +1,9 @@
 """What an H100 compiles, built on a CPU: every graph of a preset's run cross-compiled to sm_90 cubins.
 
-    python -m perf.cross_compile --config smoke            # every training geometry and validation graph
-    python -m perf.cross_compile --config record --steps 681 --no-validation   # one record geometry
+    python -m perf.tools.cross_compile --config smoke            # every training geometry and validation graph
+    python -m perf.tools.cross_compile --config record --steps 681 --no-validation   # one record geometry
 
-A CPU-only torch with one faked SM90 device (perf/fake_sm90.py: the process re-executes itself with
+A CPU-only torch with one faked SM90 device (perf/tools/fake_sm90.py: the process re-executes itself with
 a small preloaded library) compiles exactly what a run compiles: the model built as `training.Run`
 builds it (fp8 weight caches, the optimizer's value-embedding gradient buffer), compiled through
 `perf/compile.py` unchanged (inductor, fullgraph, static shapes), with the fast path's backend
@@ -218,7 +218,7 @@ def cross_compile_cases(refs: list[str], progress=print) -> list[GraphReport]:
 
     from perf.backend import current, use_backend
     from perf.compile import compile_model
-    from perf.fake_sm90 import on_fake_cuda
+    from perf.tools.fake_sm90 import on_fake_cuda
 
     reports = []
     fast = _fast_backend(current())
@@ -246,7 +246,7 @@ def _capture() -> WrapperCapture:
 
 
 def _compile_one(spec: GraphSpec, compiled, args: tuple, contexts, capture: WrapperCapture) -> GraphReport:
-    from perf.fake_sm90 import LEDGER
+    from perf.tools.fake_sm90 import LEDGER
 
     report = GraphReport(spec)
     wrappers, cubins = len(capture.sources), LEDGER.mark()
@@ -284,7 +284,7 @@ def build_model(cfg):
     from model.gpt import GPT
     from optim.manager import OptimizerManager
     from optim.schedule import TrainingSchedule
-    from perf.fake_sm90 import on_fake_cuda
+    from perf.tools.fake_sm90 import on_fake_cuda
 
     schedule = TrainingSchedule(cfg.schedule)
     with on_fake_cuda():
@@ -334,7 +334,7 @@ def cross_compile_preset(cfg, specs: list[GraphSpec], backward: bool = True, pro
     from perf import attention_backends
     from perf.backend import current, use_backend
     from perf.compile import compile_model
-    from perf.fake_sm90 import fa3_standin
+    from perf.tools.fake_sm90 import fa3_standin
 
     capture = _capture()
     fast = _fast_backend(current())
@@ -383,7 +383,7 @@ def format_table(reports: list[GraphReport], total_seconds: float) -> str:
 def parse_args(argv):
     from config import RUN_PRESETS
 
-    p = argparse.ArgumentParser(prog="python -m perf.cross_compile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m perf.tools.cross_compile", description=__doc__.split("\n")[0])
     p.add_argument("--config", choices=sorted(RUN_PRESETS), default="smoke", help="the preset whose graphs compile")
     p.add_argument("--steps", default=None,
                    help="comma-separated training steps: compile only their geometries (default: every geometry)")
@@ -416,14 +416,14 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from perf import fake_sm90
+    from perf.tools import fake_sm90
 
     if not fake_sm90.preloaded():
         if not args.keep_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
             cache = tempfile.mkdtemp(prefix="speedrun_cross_compile_")  # cold: every kernel is built
             os.environ.update({"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
                                TEMP_CACHE_ENV: cache})
-        fake_sm90.reexec_with_preload(["-m", "perf.cross_compile", *argv])
+        fake_sm90.reexec_with_preload(["-m", "perf.tools.cross_compile", *argv])
     fake_sm90.install(compile_workers=args.jobs)
     try:
         return _run(args)

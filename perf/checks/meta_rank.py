@@ -1,6 +1,6 @@
 """One rank of a training run on the "meta" device, for the tools that count it without allocating:
-the memory report (perf/memory.py), the FLOP and byte count (perf/cost.py) and the CUDA-graph
-capture check's cost (perf/cuda_graphs/cost.py).
+the memory report (perf/tools/memory.py), the FLOP and byte count (perf/checks/cost.py) and the CUDA-graph
+capture check's cost (perf/tools/capture_cost.py).
 
 The rank is the run itself: `build_rank_on_meta` builds a `training.Run` through the same
 `Run.__init__` as train_gpt.py, for `rank` of `world_size` processes on "meta" (`training.Setup`

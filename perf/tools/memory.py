@@ -1,25 +1,25 @@
 """What one rank of a training run holds in device memory, and an estimate of its peak, built on the
 meta device, so the record size costs no memory:
 
-    python -m perf.memory --config record                           # per rank, 8 ranks
-    python -m perf.memory --config dev --world-size 1               # one GPU
-    python -m perf.memory --config record --set features.ngram=false # an ablation (any --set)
+    python -m perf.tools.memory --config record                           # per rank, 8 ranks
+    python -m perf.tools.memory --config dev --world-size 1               # one GPU
+    python -m perf.tools.memory --config record --set features.ngram=false # an ablation (any --set)
 The memory report (`memory_report`) has three parts:
 * static: what a rank holds for the whole run, read from the run itself built on "meta"
-  (`build_rank_on_meta`, perf/meta_rank.py: training.Run as rank 0 of W, its GPT, OptimizerManager,
+  (`build_rank_on_meta`, perf/checks/meta_rank.py: training.Run as rank 0 of W, its GPT, OptimizerManager,
   NgramTable, n-gram row optimizer and StepWeights), plus the TailAverages and the canonical mask
   train_gpt.py builds beside it; the warmup-reset snapshot is host memory, listed apart;
 * per schedule geometry (`StepSettings.geometry`, one compiled graph each): the step's inputs on the
   device, an upper bound of the n-gram gradients held until the next table event, and the
   training forward and backward run on "meta" under the portable path (`PORTABLE_BACKEND`, with the
-  attention counted as a flash kernel keeps it: `flash_attention_standin`; both perf/meta_rank.py's,
+  attention counted as a flash kernel keeps it: `flash_attention_standin`; both perf/checks/meta_rank.py's,
   as is the step's input, `meta_step`): the tensors saved for
   the backward (a `saved_tensors_hooks` pack hook, deduplicated by storage) and the live activation
   memory over time (a dispatch mode that follows every storage an op creates until it is freed),
   whose maximum counts the saved tensors plus the temporaries of that moment;
 * the estimate: static + the worst geometry's (inputs + held n-gram gradients + activation peak).
 `main` adds the CUDA-graph capture check's cost per captured key (device reads, host copies, the
-bound on its host memory: perf/cuda_graphs/cost.py), before the estimate's closing lines.
+bound on its host memory: perf/tools/capture_cost.py), before the estimate's closing lines.
 The record preset takes about 6 s on a 2-core CPU (every geometry, forward and backward).
 """
 from __future__ import annotations
@@ -39,9 +39,9 @@ from config import RUN_PRESETS, RunConfig
 from model import attention as model_attention
 from optim.schedule import StepSettings
 from perf.backend import current as current_backend, use_backend
-from perf.cuda_graphs.cost import capture_check_cost, format_capture_check
+from perf.tools.capture_cost import capture_check_cost, format_capture_check
 from perf.host_table import H100_MEMORY_BYTES, choose_placement
-from perf.meta_rank import (GIB, PORTABLE_BACKEND, RankOnMeta, build_rank_on_meta, flash_attention_standin, geometries,
+from perf.checks.meta_rank import (GIB, PORTABLE_BACKEND, RankOnMeta, build_rank_on_meta, flash_attention_standin, geometries,
                             gib, meta_step, nbytes, storage_key, tensor_fields)
 
 
@@ -330,7 +330,7 @@ def format_memory(report: MemoryReport, top: int = 6, capture: str | None = None
     host = [i for i in report.static if i.where == "host"]
     for item in host:
         lines.append(f"  {item.name:<{width - 2}} {gib(item.bytes):>7}  {item.detail}")
-    lines.append(f"  {'total':<{width - 2}} {gib(sum(i.bytes for i in host)):>7}  per process (perf.preflight checks "
+    lines.append(f"  {'total':<{width - 2}} {gib(sum(i.bytes for i in host)):>7}  per process (perf.checks.preflight checks "
                  f"the node's RAM for it)")
     lines += ["", "per schedule geometry (one compiled graph each), GiB per rank: the training forward and "
               "backward on meta at the per-rank shapes, portable path",
@@ -374,7 +374,7 @@ def format_memory(report: MemoryReport, top: int = 6, capture: str | None = None
 
 
 def main(argv=None) -> None:
-    args = parse_preset_args("python -m perf.memory", __doc__, argv, RUN_PRESETS,
+    args = parse_preset_args("python -m perf.tools.memory", __doc__, argv, RUN_PRESETS,
                              world_size_help="processes (default: the preset's ranks); each plays the others' "
                                              "batches by gradient accumulation",
                              ranks_of=lambda name: RUN_PRESETS[name].virtual_world_size)

@@ -1,8 +1,8 @@
 """Preflight: every check a record run needs on a fresh GPU node, each with its one-line fix.
 
-    python -m perf.preflight                        # the record: 8×H100 SXM, the pinned stack, the data
-    python -m perf.preflight --config dev --data-path DIR
-    python -m perf.preflight --dry-run              # list the checks (name, what, fix); touches no GPU
+    python -m perf.checks.preflight                        # the record: 8×H100 SXM, the pinned stack, the data
+    python -m perf.checks.preflight --config dev --data-path DIR
+    python -m perf.checks.preflight --dry-run              # list the checks (name, what, fix); touches no GPU
 
 A rented node fails a record in ways that cost an hour each: another torch has no FA3 build
 variant, the Hub answers 401, `libcudart.so.13` is missing, a driver below 580 runs every step
@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 RECORD_TORCH = "2.10.0+cu128"  # record #360: the torch the FA3 build variant (torch210-cxx11-cu128) is for
 RECORD_GPU_COUNT = 8  # record #360: one node of 8×H100 SXM
@@ -51,9 +51,9 @@ MIN_FREE_DISK_BYTES = 10 * 10**9  # ours: Inductor + Triton caches of the record
 MIN_HOST_RAM_BYTES = 32 * 2**30  # ours: 8 ranks with compile workers and pinned batch buffers
 WARN_HOST_RAM_BYTES = 64 * 2**30  # ours: below this, compile workers of 8 ranks can swap
 # ours: a host-memory n-gram table (perf/host_table.py) needs the whole table in the node's RAM plus
-# its pinned staging (perf.memory: 5.8 GiB for the record's recipe on 1 process) and the run's own
+# its pinned staging (perf.tools.memory: 5.8 GiB for the record's recipe on 1 process) and the run's own
 HOST_TABLE_MARGIN_BYTES = 16 * 2**30
-HOST_TABLE_PINNED_BYTES = 6 * 2**30  # ours: the staging perf.memory counts, pinned by the CUDA host allocator
+HOST_TABLE_PINNED_BYTES = 6 * 2**30  # ours: the staging perf.tools.memory counts, pinned by the CUDA host allocator
 NCCL_TIMEOUT_S = 180  # ours: spawn 8 processes, init NCCL, one all_reduce
 # tiktoken's GPT-2 files (tiktoken_ext/openai_public.py): the canonical mask (record #92) tokenizes with them
 TIKTOKEN_GPT2_URLS = ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
@@ -628,7 +628,7 @@ def raise_on_fail(rows: list[Row]) -> None:
     """Raise one RuntimeError listing every FAIL with its fix."""
     failed = [r for r in rows if r.status == FAIL]
     if failed:
-        raise RuntimeError("preflight failed (python -m perf.preflight for the full list):\n" +
+        raise RuntimeError("preflight failed (python -m perf.checks.preflight for the full list):\n" +
                            "\n".join(f"  {r.name}: {r.detail}\n    fix: {r.fix}" for r in failed))
 
 
@@ -659,8 +659,8 @@ def main(argv=None) -> int:
     from config import RUN_PRESETS, ConfigError
     from config_check import records_folder_problems
 
-    with exit_on_config_error("python -m perf.preflight"):
-        ap = ArgumentParser(prog="python -m perf.preflight", description=__doc__.split("\n\n")[0])
+    with exit_on_config_error("python -m perf.checks.preflight"):
+        ap = ArgumentParser(prog="python -m perf.checks.preflight", description=__doc__.split("\n\n")[0])
         ap.add_argument("--config", default="record", choices=sorted(RUN_PRESETS), help="preset (default: record)")
         ap.add_argument("--data-path", default=os.environ.get("DATA_PATH"), help="folder holding the shards (env DATA_PATH)")
         ap.add_argument("--records-dir", default=None,

@@ -1,12 +1,12 @@
 """What the CUDA-graph capture check (perf/cuda_graphs/capture.py) costs one rank, computed on "meta"
-at a preset's shapes; `python -m perf.memory --config record` prints it (its "capture check" section).
+at a preset's shapes; `python -m perf.tools.memory --config record` prints it (its "capture check" section).
 
-The rank is the run itself, built on "meta" (perf/meta_rank.py's `build_rank_on_meta`), and the
+The rank is the run itself, built on "meta" (perf/checks/meta_rank.py's `build_rank_on_meta`), and the
 warmup's plan is the run's own: `training.warmup_steps` with its `Run.region_keys`, keys met once
 run eagerly (no check). For each key it captures:
 
 * written: the state the region writes, found structurally. The region runs once on "meta", as
-  perf/memory.py runs a step (portable path, attention as a flash kernel keeps it), under
+  perf/tools/memory.py runs a step (portable path, attention as a flash kernel keeps it), under
   `WrittenStorages`, a dispatch mode that notes every storage an op's schema marks written
   (in-place and out= ops, through any view or `.data`); the optimizer's collectives write their
   destinations; a gradient the backward creates counts as written. Storages are named by
@@ -42,7 +42,7 @@ from perf.backend import use_backend
 from perf.cuda_graphs.capture import (FINGERPRINT_CHUNK, STAGING_ALIGN, STAGING_BLOCK, _unique_storages,
                                       written_outside_regions)
 from perf.cuda_graphs.state import run_state
-from perf.meta_rank import (PORTABLE_BACKEND, RankOnMeta, flash_attention_standin, geometries, gib, meta_step, nbytes,
+from perf.checks.meta_rank import (PORTABLE_BACKEND, RankOnMeta, flash_attention_standin, geometries, gib, meta_step, nbytes,
                             standin_collectives, storage_key)
 
 
@@ -70,7 +70,7 @@ class WrittenStorages(TorchDispatchMode):
 
 
 def written_by_collectives(recorder: WrittenStorages):
-    """The optimizer's collectives as no-ops that write their destinations (perf/cost.py counts the
+    """The optimizer's collectives as no-ops that write their destinations (perf/checks/cost.py counts the
     same stand-ins' bytes)."""
     return standin_collectives(lambda kind, written, whole: recorder.note(written))
 
@@ -87,7 +87,7 @@ def _unique_views(named: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
 
 
 def _static_inputs(step) -> dict[tuple, Tensor]:
-    """The static input buffers `Run.train_step` fills for a perf.meta_rank.MetaStep, keyed as
+    """The static input buffers `Run.train_step` fills for a perf.checks.meta_rank.MetaStep, keyed as
     `Run.static_buffer` keys them (name, shape, dtype); the n-gram sink leaf among them."""
     b = step.batch
     fields = {"inputs": b.inputs, "targets": b.targets, "cu_seqlens": b.cu_seqlens}
@@ -187,7 +187,7 @@ class CaptureCheckCost:
 
 
 def capture_check_cost(rank: RankOnMeta, horizon: int | None = None) -> CaptureCheckCost:
-    """The capture check of every key the warmup captures, on one rank (perf/meta_rank.py's
+    """The capture check of every key the warmup captures, on one rank (perf/checks/meta_rank.py's
     RankOnMeta: the run built on "meta"), each region run once on "meta" to find what it writes (the
     module docstring). horizon: a run stopping before this step (`Run.warmup`'s). Leaves gradients
     on the rank's parameters; its manager's split flag and the run's static inputs are put back."""
