@@ -1,6 +1,8 @@
 """train_gpt.py end to end on CPU: the failures a user meets, 1 vs 2 ranks, checkpoints, the smoke run.
 
-The shards are tokenized from ../shared/data/tinyshakespeare.txt into a temp dir once per module.
+The runs train on the embedded corpus (data/synthetic.py, the smoke preset's default data), written
+into a temp dir once per session (conftest's `synthetic_shards`), so they need nothing from outside
+the repository.
 In-process runs call train_gpt.main() (one process, no torchrun); the distributed ones launch
 torchrun with gloo in a subprocess.
 """
@@ -21,11 +23,8 @@ from records.run_record import NonFiniteLossError
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory, tiny_shakespeare_path):
-    out = tmp_path_factory.mktemp("shards")
-    subprocess.run([sys.executable, "data/tokenize.py", str(tiny_shakespeare_path), "--out", str(out),
-                    "--name", "tinyshakespeare"], cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
-    return out
+def shards(synthetic_shards):
+    return synthetic_shards
 
 
 def _runs(records):
