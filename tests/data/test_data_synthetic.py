@@ -153,7 +153,7 @@ def test_the_default_corpus_bytes_shape_and_yardsticks(synthetic_shards):
 
 
 def test_ensure_keeps_a_complete_folder_and_rewrites_a_damaged_one(tmp_path):
-    spec = replace(SMALL, train_tokens=1_200_000)  # two shards, the second short
+    spec = replace(SMALL, train_tokens=700_000)  # two shards, the second short
     folder = tmp_path / "corpus"
     meta = ensure_corpus(folder, spec, progress=False)
     names = sorted(meta["files"])
