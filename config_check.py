@@ -169,8 +169,9 @@ def _embedded(cfg: RunConfig) -> bool:
 
 
 def _get_shards_hint(cfg: RunConfig) -> str:
-    if "fineweb" in cfg.train_pattern:
-        return "python data/cached_fineweb10B.py 9"
+    if "fineweb" in cfg.train_pattern or "fineweb" in Path(cfg.data_path).name:
+        # the record reads about 4 train shards of 100M tokens (upstream fetches 8); the smoke run 160k tokens
+        return f"python data/cached_fineweb10B.py {1 if cfg.name == 'smoke' else 9}"
     if _embedded(cfg):
         return "python data/synthetic.py --out DIR --train-tokens N, then --data-path DIR"
     return "python data/tokenize.py YOUR_TEXT... --out DIR, then --data-path DIR"

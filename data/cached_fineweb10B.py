@@ -108,9 +108,9 @@ def main(argv=None) -> None:
             raise
         except Exception as e:  # network, HTTP and hub errors alike: say what failed and how to go on
             offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-            hint = ("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it; " if offline else "")
+            hint = ("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it. " if offline else "")
             endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-            error = " ".join(f"{type(e).__name__}: {e}".split())  # one line, whatever the hub's message
+            error = " ".join(f"{type(e).__name__}: {e}".split()).rstrip(".")  # one line, whatever the hub's message
             raise SystemExit(f"failed to download {name} from {endpoint} (dataset {REPO_ID}): {error}. "
                              f"{hint}Files already complete are kept; rerun `{retry}` to retry.")
         try:

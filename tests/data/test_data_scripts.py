@@ -243,6 +243,7 @@ def test_download_skip_and_reject(tmp_path, hub):
     result = run([DOWNLOAD, "3", "--dir", out], cwd=tmp_path, env=hub_env(hub, tmp_path, offline=True),
                  expect_ok=False)
     assert result.returncode != 0 and "HF_HUB_OFFLINE" in result.stderr and hub.requests == []
+    assert len(result.stderr.strip().splitlines()) == 1 and DOWNLOAD.name in result.stderr  # one line, the command
 
 
 def _run_on_a_terminal(args, cwd, env, timeout=120):
