@@ -190,7 +190,7 @@ OPTIM_PRESETS = {"record": OptimConfig(), "dev": OptimConfig(), "smoke": OptimCo
 class FeatureConfig:
     """Which of the record's features a run has: `--set features.ngram=false` and so on. Every
     default is the record (all on). A switched-off feature costs nothing: no tensor allocated, no
-    kernel launched, no collective, no host work (README "Feature switches" lists each with #360's
+    kernel launched, no collective, no host work (docs/features.md lists each with #360's
     measured gain). The other switches that price a feature exist elsewhere:
     `--set optim.bank_optimizer=normuon` (ANVIL -> record #89's NorMuon), SPEEDRUN_CUDA_GRAPHS=0
     and SPEEDRUN_COMPILE=0 (perf/backend.py: execution paths, not math)."""
@@ -247,6 +247,7 @@ def features_line(features: FeatureConfig) -> str | None:
 # Runs: one preset = model + schedule + optimizer + where it runs and what it reads (train_gpt.py).
 # ================================================================================================
 RECORD_WORLD_SIZE = 8  # record #360: the recipe's global batch is split over 8 ranks
+NGRAM_TABLE_PLACEMENTS = ("auto", "device", "host")  # RunConfig.ngram_table
 
 
 @dataclass(frozen=True)
@@ -284,6 +285,10 @@ class RunConfig:
     # one geometry of the record took up to 140 s to compile for SM90 on 2 CPU cores (perf.cross_compile);
     # 600 s leaves 4x for a rank whose compile cache is cold while the others' are warm.
     collective_timeout_s: int = 600
+    # ours: where the n-gram table lives (perf/host_table.py): "device", "host" (host memory, rows
+    # gathered and written back off the main thread) or "auto" (host when the shard would take more
+    # than half the device's memory: the record's recipe on fewer than 8 GPUs); logged
+    ngram_table: str = "auto"          # one of NGRAM_TABLE_PLACEMENTS
 
 
 RUN_PRESETS = {
@@ -297,6 +302,17 @@ RUN_PRESETS = {
     "dev": RunConfig(
         name="dev", model=MODEL_PRESETS["dev"], schedule=SCHEDULE_PRESETS["dev"],
         optim=OPTIM_PRESETS["dev"], device="cuda", virtual_world_size=RECORD_WORLD_SIZE,
+        allowed_world_sizes=(1, 2, 4, 8), requires_fast_path=False, data_path="data/fineweb10B",
+        train_pattern="fineweb_train_*.bin", val_pattern="fineweb_val_*.bin",
+        val_tokens=10_485_760, val_batch_tokens=2_097_152, canonical_mask=True),
+    # The record's recipe exactly (its table, schedule and validation) on 1, 2, 4 or 8 GPUs of any
+    # kind: each process plays 8 / processes ranks (optim/lanes.py), the table goes to host memory
+    # where it does not fit (ngram_table=auto), and the fast path's pieces are used where the device
+    # has them (fp8 GEMMs on SM89+, FA3 on SM90), the portable ones elsewhere, named in the log. Its
+    # runs are grouped apart from the record's (records.report groups by config) and never a record.
+    "recipe": RunConfig(
+        name="recipe", model=MODEL_PRESETS["record"], schedule=SCHEDULE_PRESETS["record"],
+        optim=OPTIM_PRESETS["record"], device="cuda", virtual_world_size=RECORD_WORLD_SIZE,
         allowed_world_sizes=(1, 2, 4, 8), requires_fast_path=False, data_path="data/fineweb10B",
         train_pattern="fineweb_train_*.bin", val_pattern="fineweb_val_*.bin",
         val_tokens=10_485_760, val_batch_tokens=2_097_152, canonical_mask=True),

@@ -7,7 +7,7 @@ raises one `config.ConfigError` holding every problem found, one line each: the 
 its value, what is allowed, the fix. Entry points run under `exit_on_config_error`, which prints
 those lines and exits 2 without a traceback; a traceback stays for bugs.
 
-The README's "Bad input" table lists what is checked.
+docs/bad_input.md lists what is checked.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from config import ConfigError, RunConfig
+from config import NGRAM_TABLE_PLACEMENTS, ConfigError, RunConfig
 
 REPO_ROOT = Path(__file__).resolve().parent
 EXIT_CONFIG_ERROR = 2  # argparse's status for a usage error; ours for every refused configuration
@@ -235,34 +235,15 @@ def data_problems(cfg: RunConfig, steps: int | None, schedule, validation: bool 
 
 
 def checkpoint_problems(cfg: RunConfig, folder: Path) -> list[str]:
-    """--eval-checkpoint: a folder written by --save-checkpoint for this preset's model."""
-    import torch
-    from dataclasses import asdict
+    """--eval-checkpoint: a folder written by --save-checkpoint for this preset's model and switches,
+    its rank files tiling the n-gram table (training.read_checkpoint: the files memory-mapped, no
+    tensor read)."""
+    from training import CheckpointError, read_checkpoint
 
-    flag = f"--eval-checkpoint {folder}"
-    if not folder.is_dir():
-        return [f"{flag}: no such folder; expected records/logs/<run_id>/state_stepNNNNNN (--save-checkpoint)"]
-    model_file = folder / "model.pt"
-    if not model_file.is_file():
-        return [f"{flag}: no model.pt there; expected a folder written by --save-checkpoint"]
-    if not any(folder.glob("rank*.pt")):
-        return [f"{flag}: no rank*.pt there (the n-gram shards); expected a folder written by --save-checkpoint"]
-    try:  # memory-mapped: only the small config entry is read here
-        saved = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:  # a truncated or foreign file: say so rather than fail later
-        return [f"{flag}: {model_file} cannot be read ({type(e).__name__}: {e})"]
-    saved_cfg = saved.get("config", {}) if isinstance(saved, dict) else {}
-    from config import FeatureConfig
-
-    saved_features = saved_cfg.get("features", asdict(FeatureConfig()))  # saved before the switches: all on
-    if saved_features != asdict(cfg.features):
-        changed = sorted(k for k, v in asdict(cfg.features).items() if saved_features.get(k) != v)
-        return [f"{flag}: saved by a run with other feature switches ({', '.join(f'features.{k}=' + str(saved_features.get(k)).lower() for k in changed)}); "
-                f"pass the same --set features.* as the run that saved it"]
-    if saved_cfg.get("model") != asdict(cfg.model):
-        changed = sorted(k for k, v in asdict(cfg.model).items() if saved_cfg.get("model", {}).get(k) != v)
-        return [f"{flag}: saved by a --config {saved_cfg.get('name', '?')} run whose model differs from "
-                f"--config {cfg.name}'s ({', '.join(changed)}); pass --config {saved_cfg.get('name', '?')}"]
+    try:
+        read_checkpoint(folder, cfg)
+    except (FileNotFoundError, CheckpointError) as e:
+        return [f"--eval-checkpoint {e}"]
     return []
 
 
@@ -330,6 +311,9 @@ def check_run(cfg: RunConfig, args: argparse.Namespace, env=os.environ) -> None:
                             f"(or omit the flag)")
     if cfg.collective_timeout_s < 1:
         problems.append(f"collective_timeout_s={cfg.collective_timeout_s}: must be at least 1 second")
+    if cfg.ngram_table not in NGRAM_TABLE_PLACEMENTS:
+        problems.append(f"--set ngram_table={cfg.ngram_table}: expected one of {', '.join(NGRAM_TABLE_PLACEMENTS)} "
+                        f"(where the n-gram table lives; auto: host memory when it does not fit the device)")
     if cfg.val_every < 0:
         problems.append(f"--val-every {cfg.val_every}: must be >= 0 (0: validate only at the end)")
     if cfg.val_tokens < 1 or cfg.val_tokens % cfg.val_batch_tokens:

@@ -43,7 +43,7 @@ from perf.cost import RunCost, device_peak, schedule_cost
 from perf.sync_check import host_side, sync_check
 from records.run_log import format_peak_memory_line, format_step_line, format_val_line
 from records.run_record import RunRecorder, check_finite
-from training import Run, Setup, load_checkpoint, save_checkpoint
+from training import CheckpointError, Run, Setup, load_checkpoint, save_checkpoint
 
 PRINT_EVERY = 25  # record #360: a step line every 25 steps, plus the last two
 MIB = 1 << 20
@@ -78,7 +78,9 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap.add_argument("--no-canonical-mask", action="store_true", help="validate without record #92's canonical mask")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warmup (never for records)")
     ap.add_argument("--log-train-loss", action="store_true", help="log the training loss every step (syncs the host)")
-    ap.add_argument("--save-checkpoint", action="store_true", help="save model, optimizer, step, config and code at the end")
+    ap.add_argument("--save-checkpoint", action="store_true",
+                    help="save the model, its n-gram rows, step, config and code at the end (what --eval-checkpoint "
+                         "and evaluate.py read; no optimizer state: docs/checkpoints.md)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", dest="assignments",
                     help="set any config field, typed from its dataclass: --set optim.anvil_lr=0.02, "
                          "--set schedule.stages.2.lr_mul=1.5, --set model.mlp_hidden_dim=256 (repeatable; "
@@ -152,14 +154,16 @@ def garbage_collector_paused():
 
 
 def run_cost(cfg: RunConfig, setup: Setup, schedule: TrainingSchedule, log) -> RunCost:
-    """The run's tokens/s and MFU (perf/cost.py). MFU needs the model's FLOPs per geometry, counted
-    on "meta" before the warmup (seconds, off the clock), and the device's datasheet peak: without
-    one (a CPU, a GPU not in perf.cost's table) the log shows no MFU rather than a wrong one."""
+    """The run's tokens/s, MFU and peak fraction (perf/cost.py). The last two need the model's FLOPs
+    per geometry, counted on "meta" before the warmup (seconds, off the clock), and the device's
+    datasheet peak: without one (a CPU, a GPU not in perf.cost's table) the log shows neither rather
+    than a wrong one."""
     peak = device_peak(torch.cuda.get_device_name(setup.device)) if setup.device.type == "cuda" else None
     if peak is None:
         return RunCost(schedule)
     cost = RunCost(schedule, schedule_cost(cfg, setup.world_size, optimizer=False), peak)
-    log.print0(f"mfu against {peak.name}: {peak.fp8_tflops:,.0f} fp8 / {peak.bf16_tflops:,.0f} bf16 dense TFLOP/s "
+    log.print0(f"mfu: model FLOPs / (time × {peak.bf16_tflops:,.1f} TFLOP/s, the {peak.name}'s bf16 dense peak); "
+               f"peak_fraction: each kind at its own peak ({peak.fp8_tflops:,.1f} fp8, {peak.bf16_tflops:,.1f} bf16) "
                f"(perf/cost.py)", console=True)
     return cost
 
@@ -252,12 +256,17 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         guards.enter_context(named_timeouts(lambda: run.position, cfg.collective_timeout_s))
         log.print0(f"collectives: {dist.get_backend() if dist.is_initialized() else 'none (one process)'}, "
                    f"timeout {cfg.collective_timeout_s} s (collective_timeout_s)", console=True)
+        if run.table_placement:
+            log.print0(run.table_placement, console=True)
         schedule = run.schedule
         n = schedule.total_steps
         log.print0(f"[schedule] stage ends={schedule.stage_ends} steps={n} split={schedule.split_step}", console=True)
 
         if args.eval_checkpoint is not None:
-            step = load_checkpoint(run, args.eval_checkpoint)
+            try:  # checked before the run (config_check.py); this catches a folder changed since
+                step = load_checkpoint(run, args.eval_checkpoint)
+            except (FileNotFoundError, CheckpointError) as e:
+                raise ConfigError(f"--eval-checkpoint {e}") from None
             val_loss = run.validate(run.val_batches(val_glob), schedule.final_windows())
             log.print0(format_val_line(step, n, val_loss, 0.0), console=True)
             rec.finish(val_loss=val_loss, train_time_ms=0.0, steps=step)
@@ -335,10 +344,12 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                     check_finite(step, {"training loss (main + MTP + prefix terms)": train_loss})
                     if cfg.log_train_loss:
                         log.print0(f"step:{step + 1}/{n} train_loss:{train_loss:.4f}", console=setup.device.type == "cpu")
+                        rec.record.train_losses = [*(rec.record.train_losses or []), train_loss]  # to the bit
                 if (step + 1) % PRINT_EVERY == 0 or step >= n - 2 or step + 1 == steps:
                     elapsed = train_ms + 1000 * (time.perf_counter() - t0)
                     log.print0(format_step_line(step + 1, n, elapsed, cost.tokens_per_s(step + 1, elapsed),
-                                                cost.mfu(step + 1, elapsed)), console=True)
+                                                cost.mfu(step + 1, elapsed), cost.peak_fraction(step + 1, elapsed)),
+                               console=True)
         timed_graphs = compiled_graphs() - graphs_before_loop - validation_graphs
         # on the clock: the final windows (no YaRN re-application), the val batches, the canonical
         # mask, the tail-average ship
@@ -375,7 +386,8 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
             folder = save_checkpoint(run, steps, records / "logs", log.run_id)
             log.print0(f"checkpoint saved to {folder}", console=True)
         rec.finish(val_loss=val_loss, train_time_ms=train_ms, steps=steps, peak_memory_mib=peak,
-                   tokens_per_s=cost.tokens_per_s(steps, train_ms), mfu=cost.mfu(steps, train_ms))
+                   tokens_per_s=cost.tokens_per_s(steps, train_ms), mfu=cost.mfu(steps, train_ms),
+                   peak_fraction=cost.peak_fraction(steps, train_ms))
         run.close()
 
 

@@ -21,13 +21,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
-from config import RunConfig
+from config import FeatureConfig, RunConfig
 from data.loader import NO_NGRAM, dummy_batch, val_batches
 from data.ngram import ngram_hash_sizes
-from model.embeddings import NgramTable
+from model.embeddings import NgramTable, ngram_shard_range
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
+from optim.lanes import Lanes
 from optim.manager import NgramRowOptimizer, OptimizerManager
 from optim.row_exchange import RowExchange
 from optim.schedule import StepWeights, TrainingSchedule
@@ -37,7 +39,8 @@ from perf.collective_order import CollectiveRecorder
 from perf.compile import compile_model
 from perf.cuda_graphs.capture import RegionGraphs
 from perf.cuda_graphs.contract import run_state
-from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS
+from perf.host_table import HostRows, choose_placement
+from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS, roll_delayed_scales
 from perf.pinned_batches import PinnedBatchRing
 from perf.preflight import cheap_checks, raise_on_fail
 from perf.sync_check import host_side
@@ -127,22 +130,32 @@ class Run:
         if setup.world_size > 1:  # every rank starts from rank 0's weights and sign pool
             for t in [*self.model.parameters(), *([self.model.ngram_sign_pool] if features.ngram else [])]:
                 dist.broadcast(t.data, 0)
-        self.table = NgramTable(cfg.model, setup.rank, setup.world_size, device=setup.device) if features.ngram else None
+        self.table = self.table_placement = None
+        if features.ngram:  # on the device, or in host memory when it does not fit (perf/host_table.py)
+            lo, hi = ngram_shard_range(cfg.model.ngram_rows, setup.rank, setup.world_size)
+            placement, why = choose_placement(cfg.ngram_table, (hi - lo) * cfg.model.model_dim * 2, setup.device)
+            rows = HostRows(hi - lo, cfg.model.model_dim, torch.bfloat16, setup.device) if placement == "host" else None
+            self.table = NgramTable(cfg.model, setup.rank, setup.world_size, device=setup.device, rows=rows)
+            self.table_placement = f"n-gram table: {'host memory' if rows is not None else 'device memory'} ({why})"
         # keep_grads: gradients zeroed in place, never released (a captured backward adds into them)
         # defer_gathers (SPEEDRUN_DEFERRED_GATHERS): the bank all-gathers run between steps (`flush`)
         self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim, keep_grads=True,
                                         defer_gathers=setup.backend.deferred_gathers,
-                                        absent=self.model.switched_off_parameters)
+                                        absent=self.model.switched_off_parameters, local_ranks=setup.accum)
         if features.value_embeds:  # value_embeds' backward adds straight into the optimizer's fp16 cycle buffer (record #360)
             self.model.value_embed_grad_buffer = self.manager.cycle_gradient("value_embeds")
         self.exchange, self.ngram_opt = None, None
         if features.ngram:  # the table's rows move between ranks by host-planned exchanges (no host sync on the device)
-            self.exchange = RowExchange(cfg.model.ngram_rows, setup.rank, setup.world_size, setup.device)
+            self.exchange = RowExchange(cfg.model.ngram_rows, setup.rank, setup.world_size, setup.device,
+                                        lanes=setup.accum)
             self.ngram_opt = NgramRowOptimizer(self.table.rows, self.table.rows.size(0), self.manager, self.exchange)
         self.step_weights = StepWeights(self.schedule, setup.device)  # MTP / prefix weights as tensors
         self.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size)
                          for r in setup.virtual_ranks] if features.sampled_softmax else []
         self.windows = self.schedule.windows(0)
+        # one process playing several ranks: what each keeps for itself, a copy per virtual rank
+        # (optim/lanes.py): gradients that live across steps, the fp8 delayed scales
+        self.lanes = Lanes(setup.accum, self.per_rank_tensors) if setup.accum > 1 else None
         # the post-warmup reset's snapshot of the weights, off the device for the whole run: pinned
         # host memory on CUDA (copied back non-blocking; the clock starts after a synchronize), a
         # plain host copy otherwise. Tensors only: the YaRN scales (extra state) reset by reset_rotary.
@@ -169,6 +182,18 @@ class Run:
         # SPEEDRUN_ROW_PREFETCH: the next step's row pulls, launched during this step
         self.prefetched: RowPrefetch | None = None
 
+    def per_rank_tensors(self) -> list[torch.Tensor]:
+        """The live tensors each rank keeps for itself across its steps: the Adam parameters'
+        gradients (summed over two steps, or a table cycle in the fp16 cycle buffers) and the fp8
+        MLP's delayed scales and amaxes. (The bank gradients are consumed every step.)"""
+        out = []
+        for e in self.manager.entries.values():
+            if e.rule.optim != "bank":
+                out += [t for t in (e.param.grad, e.held) if t is not None]
+        if self.model.mlp_fp8 is not None:
+            out += self.model.mlp_fp8.delayed_state()
+        return out
+
     def run_region(self, region: str, key, fn):
         """fn() as the capturable region (region, key): captured or replayed under CUDA graphs, else
         run; the position notes it for a collective timeout. (A method, not a closure stored on the
@@ -190,6 +215,9 @@ class Run:
         exact, self.fp8_refresh_pending = self.fp8_refresh_pending, None
         if exact is not None:
             self.run_region("fp8_refresh", exact, lambda: self.model.refresh_fp8(exact))
+            if self.lanes is not None:  # every virtual rank rolls its own delayed scales
+                for state in self.lanes.lane_copies(self.model.mlp_fp8.delayed_state()):
+                    roll_delayed_scales(*state)
 
     def close(self) -> None:
         """Before destroy_process_group: no gather in flight, no graph left holding the
@@ -199,9 +227,11 @@ class Run:
             self.graphs.release()
         if self.exchange is not None:
             self.exchange.close()  # its prep thread (host plans ahead)
+        if isinstance(getattr(self.table, "rows", None), HostRows):
+            self.table.rows.close()  # its row thread
 
     def upload(self, host_batch, softmax_p: int, sampler: CandidateSampler | None = None, static: bool = False,
-               plan=None):
+               plan=None, lane: int = 0):
         """The host batch on the device, its n-gram row plan (None without the table) and its
         sampled-softmax candidates.
 
@@ -209,11 +239,11 @@ class Run:
         through); everything reaches the device by non-blocking copies (pinned memory on CUDA).
         static: copy into this geometry's static input buffers (`static_input`), as a captured
         training step needs, instead of into fresh device tensors. plan: the batch's row plan when
-        already made (a prefetched pull's)."""
+        already made (a prefetched pull's). lane: which of the process's virtual ranks the batch is."""
         with host_side():
             if plan is None and self.exchange is not None:
                 # a host collective: every rank, same order (its sort done ahead when `prefetch` could)
-                plan = self.exchange.plan(host_batch.ngram_ids)
+                plan = self.exchange.plan(host_batch.ngram_ids, lane)
             candidates = sampler.candidates(host_batch.targets, softmax_p) if softmax_p else None
         host_batch = replace(host_batch, ngram_ids=None)  # host only: the plan has read them
         if self.batch_ring is not None:  # a pinned slot and a side-stream copy (SPEEDRUN_PINNED_BATCHES)
@@ -271,7 +301,7 @@ class Run:
             sampler = self.samplers[i] if self.samplers else None
             pulled = prefetched[i] if prefetched is not None else None
             batch, plan, candidates = self.upload(host_batch, s.softmax_p, sampler, static=True,
-                                                  plan=pulled.plan if pulled is not None else None)
+                                                  plan=pulled.plan if pulled is not None else None, lane=i)
             rows = None  # without the n-gram table: no rows, no pull
             if self.table is not None:
                 # the sink leaf: the pulled rows (an all_to_all with host-planned sizes, outside the
@@ -288,13 +318,20 @@ class Run:
 
             def forward_backward(batch=batch, rows=rows, args=args):
                 loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
-                (loss / self.setup.accum).backward()  # the record's gradient: the mean over 8 ranks of each rank's sum
+                # each (virtual) rank's gradient of its own summed loss; the optimizer's reduce takes the
+                # mean over the 8 ranks (over processes, then over this process's virtual ranks)
+                loss.backward()
                 return loss.detach()
 
+            if self.lanes is not None:
+                self.lanes.load(i)  # virtual rank i's own gradients and fp8 scales
             loss = self.run_region("forward_backward", s.geometry, forward_backward)
             if self.ngram_opt is not None:
                 self.ngram_opt.accumulate(plan, rows.grad)  # merged per distinct row: a per-batch size, outside
                 rows.grad.zero_()  # the next backward accumulates into it (x + 0 is x, bitwise)
+            if self.lanes is not None:
+                self.manager.fold_local(step)  # what rank i does to its gradients before the reduce
+                self.lanes.save(i)
             total += loss
         if self.prefetched is not None:
             # the prefetch's exchange is done before the optimizer graph, whose captured
@@ -304,7 +341,13 @@ class Run:
         # the host half of the update, outside the region: this step's lr, betas, bias corrections
         # into device scalars (in place)
         self.manager.load_scalars(step)
+        consumed = None
+        if self.lanes is not None:  # the virtual ranks' gradients summed in rank order, as their reduce adds
+            consumed = self.manager.consumed(step)
+            self.lanes.reduce(self.manager.reduced(step))
         self.run_region("optimizer", self.manager.phase(step), lambda: self.manager.step(step, untie=False))
+        if consumed is not None:
+            self.lanes.clear(consumed)
         # the banks' all-gathers (SPEEDRUN_DEFERRED_GATHERS) and the fp8 refresh after them wait for
         # `flush`, at the next step's top; the refresh count is taken now (host state, in step order)
         self.manager.launch_deferred_gathers(step)
@@ -312,26 +355,33 @@ class Run:
             self.fp8_refresh_pending = self.model.next_fp8_refresh_exact()
         if self.manager.untie_due(step):  # once per run: embed's moments from lm_head's, host state too
             self.manager.untie()
-        if self.ngram_opt is not None:
-            self.ngram_opt.step(step)
+        if self.ngram_opt is not None and self.ngram_opt.step(step) and self.prefetched is not None:
+            for pull in self.prefetched.pulls:  # launched before the event: its rewritten rows patched in
+                self.ngram_opt.patch_pull(pull)
+            self.prefetched.version = self.ngram_opt.version
         return total
 
     def prefetch(self, step: int, next_batches) -> None:
-        """Plan the next step's row pulls and launch them (SPEEDRUN_ROW_PREFETCH), unless this
-        step is a table event: the event rewrites the table after the backward, and the next
-        step must read its rows after that. Then (or with the prefetch off) the next step's plans
+        """Plan the next step's row pulls and launch them (SPEEDRUN_ROW_PREFETCH). Across a table
+        event (it rewrites the table after the backward) only on one process: the rows the event
+        rewrites are then patched into the pulled ones (`train_step`, NgramRowOptimizer.patch_pull),
+        the others did not change. On several processes an event step's next pulls wait for the
+        event: other owners' rows change too. Then (or with the prefetch off) the next step's plans
         are only started, on the exchange's prep thread (`RowExchange.prepare`: they depend on the
         ids alone), and its upload finishes them. When the next step is a table event, its push
         routes are planned ahead too: the cycle's plans are all known once the next step's are
         (`RowExchange.expect_push`; NgramRowOptimizer.accumulate starts them)."""
         if next_batches is None or self.exchange is None:
             return
-        if not self.setup.backend.row_prefetch or self.schedule.is_table_event(step):
+        # across a table event only on one process, whose event patches the pulled rows it rewrote
+        # (NgramRowOptimizer.patch_pull); on several, other owners' rows change too: the pull waits
+        across_event = self.schedule.is_table_event(step)
+        if not self.setup.backend.row_prefetch or (across_event and self.setup.world_size > 1):
             for b in next_batches:
                 self.exchange.prepare(b.ngram_ids)
             return
         with host_side():
-            plans = [self.exchange.plan(b.ngram_ids) for b in next_batches]  # host collectives, step order
+            plans = [self.exchange.plan(b.ngram_ids, lane) for lane, b in enumerate(next_batches)]  # host collectives, step order
         if self.schedule.is_table_event(step + 1):  # the loop's next step (the warmup's may differ: then
             self.exchange.expect_push(plans)         # the event finds other plans and plans its push itself)
         self.prefetched = RowPrefetch(next_batches, [self.exchange.start_pull(self.table.rows, p) for p in plans],
@@ -454,6 +504,8 @@ class Run:
         self.windows = self.schedule.windows(0)
         self.model.rearm_fp8()
         self.model.refresh_fp8()
+        if self.lanes is not None:
+            self.lanes.reset()  # every virtual rank: zero gradients, the initial fp8 scales
 
     def val_batches(self, val_glob: str) -> list[list]:
         """Every validation batch this process evaluates (read on the clock, record #360)."""
@@ -513,13 +565,41 @@ def warmup_steps(schedule: TrainingSchedule, region_keys=None, horizon: int | No
 # ----------------------------------------------------------------------------------------------------
 
 
+# What a checkpoint holds (issue #32 point 6): what evaluation and sampling read, nothing else.
+# Resuming a run was weighed and not built: a bitwise resume needs the optimizers' state (moments,
+# mantissas, tail averages, the n-gram rows' Adam), the schedule position, the loader's position,
+# every sampler's RNG, the delayed fp8 scales and the deferred gathers in flight, each kept per
+# virtual rank, and its test (resumed losses bitwise the uninterrupted run's) would follow every
+# change to those pieces. A run here is minutes (record #360: 39.9 s on 8xH100), so a rerun is the
+# resume. Dropping the optimizers' state takes a smoke checkpoint from 305 MB to 66 MB and a record
+# one from 124.6 to 121.6 GiB (docs/checkpoints.md).
+MODEL_FILE_KEYS = frozenset({"step", "config", "world_size", "model", "code"})  # code: provenance, read by people
+SHARD_FILE_KEYS = frozenset({"step", "ngram_lo", "ngram_hi", "ngram_rows"})
+# rows are copied from the mapped files onto the table in pieces of this size, so neither the host
+# nor the device holds a second copy of a shard (record #360: 15 GiB of rows per rank file)
+CHECKPOINT_CHUNK_BYTES = 256 * 2**20
+
+
+class CheckpointError(ValueError):
+    """A folder that is not a checkpoint this run can load: one line naming the file and what was
+    expected (train_gpt.py and config_check.py make it an exit-2 refusal)."""
+
+
 def save_checkpoint(run: Run, step: int, logs_dir: Path, run_id: str) -> Path:
-    """logs/<run_id>/state_step{step:06d}/: model.pt (rank 0) and rank{r}.pt (each rank's n-gram
-    shard and optimizer state), written to temp files and renamed."""
+    """logs/<run_id>/state_step{step:06d}/: model.pt (rank 0: step, config, code, world size, the
+    model's weights) and rank{r}.pt (each rank's n-gram rows; none without the table), each written
+    to a temp file and renamed, in torch.save's zip format, which torch.load can memory-map. Every
+    rank writes into rank 0's run folder (each rank's log draws its own run id) and returns once all
+    files are written."""
+    grouped = run.setup.world_size > 1 and dist.is_initialized()
+    if grouped:
+        agreed = [run_id]
+        dist.broadcast_object_list(agreed, src=0)
+        run_id = agreed[0]
     folder = logs_dir / run_id / f"state_step{step:06d}"
     folder.mkdir(parents=True, exist_ok=True)
 
-    def atomic_save(obj, path: Path) -> None:
+    def atomic_save(obj: dict, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
         torch.save(obj, tmp)
         tmp.replace(path)
@@ -527,25 +607,141 @@ def save_checkpoint(run: Run, step: int, logs_dir: Path, run_id: str) -> Path:
     if run.setup.is_master:
         atomic_save({"step": step, "config": asdict(run.cfg), "code": read_source(REPO_ROOT),
                      "model": run.model.state_dict(), "world_size": run.setup.world_size}, folder / "model.pt")
-    table = {"ngram_lo": run.table.lo, "ngram_hi": run.table.hi, "ngram_rows": run.table.rows,
-             "ngram_state": run.ngram_opt.state} if run.table is not None else {}  # features.ngram off: none
-    atomic_save({**table, "optimizer": {name: e.state for name, e in run.manager.entries.items()},
-                 "optimizer_split": run.manager.split}, folder / f"rank{run.setup.rank}.pt")
+    if run.table is not None:  # features.ngram off: no table, no rank files
+        rows = run.table.rows.host_tensor() if isinstance(run.table.rows, HostRows) else run.table.rows
+        atomic_save({"step": step, "ngram_lo": run.table.lo, "ngram_hi": run.table.hi, "ngram_rows": rows},
+                    folder / f"rank{run.setup.rank}.pt")
+    if grouped:
+        dist.barrier()
     return folder
 
 
-def load_checkpoint(run: Run, folder: Path) -> int:
-    """Model weights and this rank's n-gram rows (from whichever saved shards overlap them)."""
+@dataclass
+class SavedShard:
+    """One rank file's n-gram rows [lo, hi) of the table, memory-mapped (read when sliced)."""
+    path: Path
+    lo: int
+    hi: int
+    rows: torch.Tensor  # (hi − lo, D) bf16, on the host, backed by the file
+
+
+@dataclass
+class SavedCheckpoint:
+    """A checked --save-checkpoint folder, its tensors memory-mapped: `read_checkpoint`."""
+    step: int
+    world_size: int
+    model: dict  # the model's state_dict (host tensors backed by model.pt)
+    shards: list[SavedShard]  # by rank: together rows [0, ngram_rows), none without the table
+
+
+def _load_mapped(path: Path, what: str) -> dict:
+    """torch.load of a checkpoint file, mapped (mmap: nothing is read until a tensor is touched) and
+    weights_only (tensors and plain values: a foreign pickle runs no code here)."""
+    try:
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # truncated, not torch.save's zip format, or a foreign pickle
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{path}: cannot be read as {what} ({type(e).__name__}: {reason[:200]})") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: holds a {type(saved).__name__}, expected {what} (a dict)")
+    return saved
+
+
+def read_checkpoint(folder: Path, cfg: RunConfig) -> SavedCheckpoint:
+    """The checkpoint in `folder`, checked against `cfg` before anything is copied: model.pt saved
+    with this preset's model and feature switches, and one rank file per saving rank whose rows tile
+    the n-gram table [0, ngram_rows) with no gap, all saved at the same step. Raises
+    FileNotFoundError (a missing folder or file) or CheckpointError, one line naming the file."""
+    folder = Path(folder)
+    where = "expected records/logs/<run_id>/state_stepNNNNNN, written by --save-checkpoint"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such folder; {where}")
     model_file = folder / "model.pt"
     if not model_file.is_file():
-        raise FileNotFoundError(f"--eval-checkpoint {folder}: no model.pt there (expected a folder written by "
-                                f"--save-checkpoint: records/logs/<run_id>/state_stepNNNNNN)")
-    saved = torch.load(model_file, map_location=run.setup.device, weights_only=False)
-    run.model.load_state_dict(saved["model"])
-    for shard_file in sorted(folder.glob("rank*.pt")) if run.table is not None else ():
-        shard = torch.load(shard_file, map_location=run.setup.device, weights_only=False)
-        lo, hi = max(shard["ngram_lo"], run.table.lo), min(shard["ngram_hi"], run.table.hi)
-        if lo < hi:
-            run.table.rows[lo - run.table.lo: hi - run.table.lo] = shard["ngram_rows"][lo - shard["ngram_lo"]: hi - shard["ngram_lo"]]
+        raise FileNotFoundError(f"{folder}: no model.pt there; {where}")
+    saved = _load_mapped(model_file, "a --save-checkpoint model.pt")
+    if not isinstance(saved.get("config"), dict):
+        raise CheckpointError(f"{model_file}: no run config in it; {where}")
+    saved_cfg = saved["config"]
+    saved_features = saved_cfg.get("features", asdict(FeatureConfig()))  # saved before the switches: all on
+    if saved_features != asdict(cfg.features):
+        changed = sorted(k for k, v in asdict(cfg.features).items() if saved_features.get(k) != v)
+        raise CheckpointError(
+            f"{folder}: saved by a run with other feature switches ("
+            + ", ".join(f"features.{k}=" + str(saved_features.get(k)).lower() for k in changed)
+            + "); pass the same --set features.* as the run that saved it")
+    if saved_cfg.get("model") != asdict(cfg.model):
+        changed = sorted(k for k, v in asdict(cfg.model).items() if saved_cfg.get("model", {}).get(k) != v)
+        name = saved_cfg.get("name", "?")
+        raise CheckpointError(f"{folder}: saved by a --config {name} run whose model differs from --config "
+                              f"{cfg.name}'s ({', '.join(changed)}); pass --config {name}")
+    missing = sorted(MODEL_FILE_KEYS - saved.keys())
+    if missing:
+        raise CheckpointError(f"{model_file}: has no {', '.join(missing)} entries; {where}")
+    step, world = saved["step"], saved["world_size"]
+    if not isinstance(world, int) or world < 1:
+        raise CheckpointError(f"{model_file}: world_size {world!r}, expected the saving run's process count (>= 1)")
+    shards = []
+    if cfg.features.ngram:
+        num_rows, dim = cfg.model.ngram_rows, cfg.model.model_dim
+        for rank in range(world):
+            path = folder / f"rank{rank}.pt"
+            lo, hi = ngram_shard_range(num_rows, rank, world)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: missing; model.pt says {world} rank(s) saved this checkpoint, "
+                                        f"so n-gram rows [{lo:,}, {hi:,}) are in no file")
+            shard = _load_mapped(path, "a --save-checkpoint rank file")
+            missing = sorted(SHARD_FILE_KEYS - shard.keys())
+            if missing:
+                raise CheckpointError(f"{path}: has no {', '.join(missing)} entries; expected rank {rank}'s "
+                                      f"n-gram rows [{lo:,}, {hi:,}) of the {num_rows:,}-row table")
+            rows = shard["ngram_rows"]
+            got = (shard["ngram_lo"], shard["ngram_hi"], tuple(rows.shape) if torch.is_tensor(rows) else rows)
+            if got != (lo, hi, (hi - lo, dim)):
+                raise CheckpointError(
+                    f"{path}: holds n-gram rows [{got[0]}, {got[1]}) shaped {got[2]}, expected rank {rank} of "
+                    f"{world}'s rows [{lo:,}, {hi:,}) of the {num_rows:,}-row table (model.ngram_rows), "
+                    f"shaped ({hi - lo}, {dim})")
+            if shard["step"] != step:
+                raise CheckpointError(f"{path}: saved at step {shard['step']}, model.pt at step {step}; "
+                                      f"expected the files of one --save-checkpoint")
+            shards.append(SavedShard(path, lo, hi, rows))
+        extra = sorted(p.name for p in folder.glob("rank*.pt") if p.stem[4:] not in {str(r) for r in range(world)})
+        if extra:
+            raise CheckpointError(f"{folder / extra[0]}: model.pt says {world} rank(s) saved this checkpoint, "
+                                  f"expected rank0.pt .. rank{world - 1}.pt only")
+    return SavedCheckpoint(step, world, saved["model"], shards)
+
+
+def copy_overlapping_rows(dst: torch.Tensor, dst_lo: int, shards: list[SavedShard], chunk_rows: int,
+                          progress: bool = False) -> int:
+    """Fill `dst`, rows [dst_lo, dst_lo + len(dst)) of the n-gram table (on any device), with the
+    rows of the saved shards that overlap it, `chunk_rows` rows per copy: only the overlapping rows
+    of the mapped files are read, a piece at a time. Returns the rows copied."""
+    dst_hi = dst_lo + dst.size(0)
+    pieces = [(shard, a, min(a + chunk_rows, hi)) for shard in shards
+              for lo, hi in [(max(shard.lo, dst_lo), min(shard.hi, dst_hi))] for a in range(lo, hi, chunk_rows)]
+    copied = 0
+    for shard, a, b in tqdm(pieces, desc="n-gram rows from the checkpoint", unit="piece", disable=not progress):
+        dst[a - dst_lo: b - dst_lo].copy_(shard.rows[a - shard.lo: b - shard.lo])  # (b − a, D)
+        copied += b - a
+    return copied
+
+
+def load_checkpoint(run: Run, folder: Path) -> int:
+    """The checkpoint's model weights and this process's n-gram rows, whatever world size saved it:
+    the files are memory-mapped on the host and only the rows overlapping this shard are copied, in
+    pieces of CHECKPOINT_CHUNK_BYTES. Returns the step it was saved at. Raises FileNotFoundError or
+    CheckpointError (`read_checkpoint`) before anything is copied."""
+    saved = read_checkpoint(folder, run.cfg)
+    run.model.load_state_dict(saved.model)
+    if run.table is not None:
+        rows = run.table.rows.host_tensor() if isinstance(run.table.rows, HostRows) else run.table.rows
+        chunk_rows = max(1, CHECKPOINT_CHUNK_BYTES // (rows.size(1) * rows.element_size()))
+        big = rows.numel() * rows.element_size() > 8 * CHECKPOINT_CHUNK_BYTES
+        copied = copy_overlapping_rows(rows, run.table.lo, saved.shards, chunk_rows,
+                                       progress=big and run.setup.is_master)
+        if copied != rows.size(0):  # read_checkpoint checked the tiling: a bug if this fails
+            raise RuntimeError(f"load_checkpoint: copied {copied} of the shard's {rows.size(0)} n-gram rows")
     run.model.refresh_fp8()
-    return saved["step"]
+    return saved.step

@@ -67,11 +67,17 @@ class NgramTable:
     per rank on 8 ranks, so ranks 0–3 hold bigram rows and 4–7 trigram rows).
     """
 
-    def __init__(self, cfg: ModelConfig, rank: int, world_size: int, device=None, dtype=torch.bfloat16):
+    def __init__(self, cfg: ModelConfig, rank: int, world_size: int, device=None, dtype=torch.bfloat16,
+                 rows=None):
+        """rows: a zero row store of this shard's [hi - lo, dim] to use instead of a device tensor
+        (training.Run passes perf/host_table.py HostRows when the table lives in host memory)."""
         self.num_rows, self.dim = cfg.ngram_rows, cfg.model_dim
         self.rank, self.world_size = rank, world_size
         self.lo, self.hi = self.owned_range(rank, world_size)
-        self.rows = torch.zeros(self.hi - self.lo, self.dim, dtype=dtype, device=device)
+        if rows is not None and tuple(rows.size()) != (self.hi - self.lo, self.dim):
+            raise ValueError(f"NgramTable: rows of shape {tuple(rows.size())}, expected this shard's "
+                             f"[{self.hi - self.lo}, {self.dim}]")
+        self.rows = rows if rows is not None else torch.zeros(self.hi - self.lo, self.dim, dtype=dtype, device=device)
 
     @property
     def half(self) -> int:

@@ -21,7 +21,9 @@ Forward contract (B = 1; T tokens of the rank's packed batch):
   row-sparse sink gradient), ngram_sign_rows int32 [2T] (rows of `ngram_sign_pool`), step a
   `StepArgs`. Training returns the summed loss over the T tokens (fp8 MLPs and lm_head; call
   `refresh_fp8()` after every optimizer step and before the first training forward); validation
-  (`step.training=False`) returns the mean next-token cross-entropy (bf16, no MTP/prefix/sampling).
+  (`step.training=False`) returns the mean next-token cross-entropy (bf16, no MTP/prefix/sampling),
+  or with `step.logits` the softcapped logits [T, V] fp32 that loss is the cross-entropy of (evaluate.py;
+  rows `step.logits_from`.. only, since the lm_head is most of a short evaluation forward).
 
 Hooks for the training loop: `refresh_fp8()` after every optimizer step; `rearm_fp8()` after the
 post-warmup reset; `rescale_rotary(old, new)` when the (ws_short, ws_long) windows change (YaRN);
@@ -52,7 +54,7 @@ from config import FeatureConfig, ModelConfig
 from model import mudd as M
 from model.attention import AttnArgs, CausalSelfAttention
 from model.embeddings import NUM_VALUE_EMBED_PLANES, SMEAR_CHANNELS, ngram_sign_pool, smear, value_embeddings
-from model.loss import LM_HEAD_INIT_STD, TransposedLinear, training_loss, validation_loss
+from model.loss import LM_HEAD_INIT_STD, TransposedLinear, training_loss, validation_logits, validation_loss
 from model.mlp import NUM_MLP_SLOTS, PARALLEL_MLP_LAYER, PARALLEL_MLP_SLOT, mlp_slot_output
 from model.rotary import Yarn
 from perf.kernels.mlp import Fp8MLPState
@@ -111,6 +113,8 @@ class StepArgs:
     training: bool = True  # False: the validation forward (bf16, mean CE)
     max_seq_len: int | None = None  # longest attention segment of the batch (Batch.max_seq_len; FA3)
     canonical_mask: Tensor | None = None  # validation: record #92's packed (prev, cur) mask, or None
+    logits: bool = False  # validation only: return the softcapped logits fp32, not the mean loss (evaluate.py)
+    logits_from: int = 0  # with logits: rows logits_from.. only, [T − logits_from, V] (the rows the caller reads)
 
     @property
     def prefix_on(self) -> bool:
@@ -425,6 +429,8 @@ class GPT(nn.Module):
         x = norm(M.post_loop_mix(x, sources, mu_post, delta))  # (T, D)
 
         if not step.training:
+            if step.logits:  # evaluate.py: log-probabilities and next tokens (no canonical mask)
+                return validation_logits(x[step.logits_from:], self.lm_head.weight)
             return validation_loss(x, self.lm_head.weight, targets, inputs, step.canonical_mask)
         prefix = self.prefix_table[targets] if step.prefix_on else None
         return training_loss(x, self.lm_head.weight, targets, step.mtp_weights, prefix, step.prefix_weight,

@@ -16,8 +16,10 @@ restates it; tests/kernels/test_kernels_cross_entropy.py and tests/model/test_mo
 it to `softcapped_ce`). With fp8 (the record), `fp8_lm_head_loss` (perf/fp8.py) is the GEMM and the
 CE in one autograd node: e4m3 logits go straight into the softcapped CE, which keeps only them
 (1 byte per element) and lse for the backward and writes the logit gradient in e5m2. Without fp8,
-`softcapped_loss_lse` runs on fp32 logits. Both return (Σ_t L_t, lse [T]) with lse differentiable,
-so a term in lse is one line in `training_loss`, no kernel edit (README "Adding a loss term"). Both
+`softcapped_loss_lse` does the same on the bf16 GEMM's bf16 logits (2 bytes per element; its fp32
+temporaries one slab of rows at a time), so the ablation differs from the record by its GEMMs and
+the logits' width only. Both return (Σ_t L_t, lse [T]) with lse differentiable,
+so a term in lse is one line in `training_loss`, no kernel edit (docs/loss_terms.md). Both
 CEs (the fused kernels on the fast path, their portable twins elsewhere) compute σ and z in fp32
 with the exact gradient (the record's kernel caches σ in fp16 and sums all MTP weights into its
 softmax term even on the last K−1 rows, a quirk on <= 2 rows per rank that ours leaves out).
@@ -117,11 +119,22 @@ def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, pr
         loss, lse = fp8_lm_head_loss(x, lm_head_w, targets, mtp_weights, prefix_targets, prefix_weight, candidates)
     else:
         w = lm_head_w if candidates is None else lm_head_w[:, candidates]
-        loss, lse = softcapped_loss_lse((x @ w).float(), targets, mtp_weights, prefix_targets, prefix_weight)
+        # the logits in the GEMM's dtype (bf16 in training), as the fp8 path keeps its e4m3 ones: the
+        # CE reads them, keeps them for its backward and writes the gradient in their dtype; its fp32
+        # temporaries live one slab of rows at a time, so no fp32 [T, N] exists
+        loss, lse = softcapped_loss_lse(x @ w, targets, mtp_weights, prefix_targets, prefix_weight)
     # lse [T] (over C under the sampled softmax) is differentiable on both paths, so a term in it is
-    # one line here, e.g. a z-loss `loss = loss + 1e-4 * lse.square().sum()` (README "Adding a loss
-    # term"); the record has none
+    # one line here, e.g. a z-loss `loss = loss + 1e-4 * lse.square().sum()` (docs/loss_terms.md);
+    # the record has none
     return loss
+
+
+def validation_logits(x: Tensor, lm_head_w: Tensor) -> Tensor:
+    """The validation forward's softcapped logits of the final normed rows x [T, D]: bf16 product and
+    softcap (in the logits' dtype), then fp32 [T, V]. `validation_loss` is their cross-entropy;
+    evaluate.py reads per-token log-probabilities and next-token choices from them (GPT.forward with
+    StepArgs(training=False, logits=True))."""
+    return softcap(x @ lm_head_w).float()
 
 
 def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, inputs: Tensor | None = None,
@@ -133,7 +146,7 @@ def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, inputs: Tenso
     emits; after token inputs[t] those classes drop out of row t's softmax."""
     total = x.new_zeros((), dtype=torch.float32)
     for lo in range(0, x.shape[0], EVAL_CE_SLAB_ROWS):
-        z = softcap(x[lo: lo + EVAL_CE_SLAB_ROWS] @ lm_head_w).float()  # softcap in the logits' dtype
+        z = validation_logits(x[lo: lo + EVAL_CE_SLAB_ROWS], lm_head_w)
         if canonical_mask is not None:
             z = apply_canonical_mask(z, inputs[lo: lo + EVAL_CE_SLAB_ROWS], canonical_mask)
         total = total + F.cross_entropy(z, targets[lo: lo + EVAL_CE_SLAB_ROWS], reduction="sum")

@@ -193,7 +193,7 @@ class RowAdamState:
 
 def row_sparse_adam_event(shard: Tensor, state: RowAdamState, local_rows: Tensor, grad_sum: Tensor,
                           lr: float, beta2: float, weight_decay: float, world_size: int,
-                          eps: float = 1e-10) -> None:
+                          eps: float = 1e-10, host_rows=None) -> Tensor:
     """One table event on this rank's shard (record #360, modules §4.5), with no host sync.
 
     local_rows: (M,) int64, the distinct touched rows (indices into shard); grad_sum: (M, D), their
@@ -205,7 +205,9 @@ def row_sparse_adam_event(shard: Tensor, state: RowAdamState, local_rows: Tensor
     of one per missed event. A row touched at every event gets the factor exp(0) = 1 exactly, so
     it is bitwise the dense every-event update; a row that missed k events differs from the
     sequential replay by the k roundings that replay did (tests/optim/test_optim_adam.py states
-    the measured error)."""
+    the measured error). shard may be a host-memory row store (perf/host_table.py HostRows): its
+    rows are read and written back by `host_rows`, the same rows as local_rows on the host.
+    Returns the rows' new values (M, D) in the shard's dtype, as written."""
     state.events += 1
     event = state.events
     if event >= state.log_beta2_sum.numel():    # past the preallocated events: double (device copy)
@@ -220,8 +222,14 @@ def row_sparse_adam_event(shard: Tensor, state: RowAdamState, local_rows: Tensor
     m = grad_sum.float() / world_size                                                   # (M, D)
     v = beta2 * v + (1 - beta2) * m.square().mean(dim=-1)
     update = m / (v.sqrt() + eps)[:, None] * (lr * (1 - beta2 ** event) ** 0.5)
-    p = shard.index_select(0, local_rows).float()                                       # (M, D)
+    on_host = not isinstance(shard, Tensor)
+    p = (shard.gather(host_rows) if on_host else shard.index_select(0, local_rows)).float()  # (M, D)
     update = update + p * ((update * p) > 0) * (lr * lr * weight_decay)
-    shard.index_copy_(0, local_rows, (p - update).to(shard.dtype))
+    new_rows = (p - update).to(shard.dtype)                                             # (M, D)
+    if on_host:
+        shard.scatter(host_rows, new_rows)
+    else:
+        shard.index_copy_(0, local_rows, new_rows)
     state.exp_avg_sq.index_copy_(0, local_rows, v)
     state.last_event.index_fill_(0, local_rows, event)
+    return new_rows

@@ -184,7 +184,7 @@ class OptimizerManager:
                  cfg: OptimConfig = OptimConfig(), table: dict[str, ParamRule] = RECORD_PARAM_TABLE,
                  frozen_matrices: dict[str, Iterable[int]] | None = None,
                  layout: tuple[int, int] | None = None, keep_grads: bool = False,
-                 defer_gathers: bool = False, absent: Iterable[str] = ()):
+                 defer_gathers: bool = False, absent: Iterable[str] = (), local_ranks: int = 1):
         """absent: entries of `table` the model lacks on purpose, a feature being off
         (GPT.switched_off_parameters: value_embeds, ve_gate_bank); they get no entry, state or
         collective, and the rest keep their order. Any other table entry without a parameter is
@@ -200,12 +200,22 @@ class OptimizerManager:
         defer_gathers: the banks' all-gathers leave `step` (see `deferred`): the caller launches
         them after it (`launch_deferred_gathers`) and waits before the weights are next read
         (`wait_gathers`), so they overlap whatever runs in between (record #360's deferred
-        gathers; training.Run.flush waits at the top of the next step, before the forward)."""
+        gathers; training.Run.flush waits at the top of the next step, before the forward).
+        local_ranks: the virtual ranks this process plays (gradient accumulation). The gradients
+        hold their plain sum (each virtual rank's backward of its own summed loss, unscaled); the
+        reduce averages over processes and then divides by local_ranks, as 8 ranks' average does:
+        a sum of 2 then a halving is what gloo's AVG of 2 ranks computes, bit for bit. What a rank
+        does to its gradients before the reduce (`fold_local`) the caller then runs once per
+        virtual rank, on that rank's gradients (optim/lanes.py)."""
         if cfg.bank_optimizer not in ("anvil", "normuon"):
             raise ValueError(f"OptimConfig.bank_optimizer={cfg.bank_optimizer!r}: expected "
                              "'anvil' or 'normuon'")
         self.schedule, self.cfg = schedule, cfg
         self.keep_grads = keep_grads
+        if local_ranks < 1:
+            raise ValueError(f"OptimizerManager: local_ranks={local_ranks} must be at least 1")
+        self.local_ranks = local_ranks
+        self._folded: int | None = None  # the step whose rank-local gradient folds were done (fold_local)
         if layout is not None:
             self.rank, self.world_size = layout
         else:
@@ -342,7 +352,7 @@ class OptimizerManager:
         return dict(lr=cfg.adam_lr * self.schedule.lr_mult(step) * cfg.ngram_lr_mul,
                     beta2=cfg.ngram_beta2 ** 2 if period4 else cfg.ngram_beta2,
                     weight_decay=cfg.adam_weight_decay * cfg.ngram_wd_mul * (2 if period4 else 1),
-                    world_size=self.world_size, eps=cfg.adam_eps)
+                    world_size=self.world_size * self.local_ranks, eps=cfg.adam_eps)
 
     def updates_at(self, entry: Entry, step: int) -> bool:
         cadence = entry.rule.cadence
@@ -433,16 +443,10 @@ class OptimizerManager:
                                f"before the weights are read or updated again)")
         if self._loaded != step:
             self.load_scalars(step)
-        for e in self.entries.values():
-            if e.held is not None and e.param.grad is not None:
-                e.held.add_(e.param.grad)
-                self._clear_grad(e.param)
+        if self._folded != step:  # one rank per process: its own folds, here (else the caller's, per virtual rank)
+            self.fold_local(step)
         due = set(self._due(step))
         adam_step = self.schedule.is_adam_step(step)
-        if self.tied and not self.split and adam_step and LM_HEAD in due:
-            embed = self.entries[EMBED].param
-            if embed.grad is not None:     # tied: embed's gradient trains lm_head
-                transpose_add_(self.entries[LM_HEAD].param.grad, embed.grad)  # [D, V] += [V, D]^T
 
         # Phase 0: the replicated Adam params' all-reduces.
         replicated = [n for n, e in self.entries.items() if n in due and e.shard is None]
@@ -457,6 +461,8 @@ class OptimizerManager:
             work, grad = pending[name]
             if work is not None:
                 work.wait()
+            if self.local_ranks > 1:  # the average over processes, then over this process's virtual ranks
+                grad.div_(self.local_ranks)
             entry = self.entries[name]
             if entry.shard is None:
                 self._adam(entry, entry.param.data, grad, step)
@@ -475,16 +481,51 @@ class OptimizerManager:
             if name == LM_HEAD and self.tied and not self.split:
                 transpose_into(self.entries[EMBED].param.data, self.entries[LM_HEAD].param.data)
         # Clear the gradients that were consumed (Adam grads keep accumulating until their step).
-        for name in due:
-            self._clear_grad(self.entries[name].param)
-            if self.entries[name].held is not None:
-                self.entries[name].held.zero_()
-        if self.tied and not self.split and adam_step:
-            self._clear_grad(self.entries[EMBED].param)
+        consumed = self.consumed(step, due)
+        for e in self.entries.values():
+            if any(e.param.grad is t for t in consumed):
+                self._clear_grad(e.param)
+            if any(e.held is t for t in consumed):
+                e.held.zero_()
         # _loaded stays `step`: the update sets no host state (a captured one is replayed, and the
         # capture check runs it thrice from the same state); the next load_scalars moves it on
         if untie and self.untie_due(step):
             self.untie()
+
+    @torch.no_grad()
+    def fold_local(self, step: int) -> None:
+        """What a rank does to its own gradients before the reduce, once per step: the dense
+        .grad of a table-cadence parameter added into its cycle buffer (fp16, record #360), and
+        while tied, at an Adam step, embed's gradient into lm_head's. `step` runs it itself; one
+        process playing several ranks runs it after each virtual rank's backward, on that rank's
+        gradients (training.Run with optim/lanes.py), and `step` then leaves it."""
+        for e in self.entries.values():
+            if e.held is not None and e.param.grad is not None:
+                e.held.add_(e.param.grad)
+                self._clear_grad(e.param)
+        if self.tied and not self.split and self.schedule.is_adam_step(step) and LM_HEAD in self._due(step):
+            embed = self.entries[EMBED].param
+            if embed.grad is not None:     # tied: embed's gradient trains lm_head
+                transpose_add_(self.entries[LM_HEAD].param.grad, embed.grad)  # [D, V] += [V, D]^T
+        self._folded = step
+
+    def reduced(self, step: int) -> list[Tensor]:
+        """The gradient tensors `step(step)` reduces: the due entries' (cycle buffer or .grad)."""
+        return [self.entries[name].gradient() for name in self._due(step)]
+
+    def consumed(self, step: int, due: Iterable[str] | None = None) -> list[Tensor]:
+        """The gradient tensors `step(step)` clears: the due entries' .grad and cycle buffer, and
+        embed's .grad at a tied Adam step (folded into lm_head's). Ask before the step."""
+        due = self._due(step) if due is None else due
+        out = []
+        for name in due:
+            e = self.entries[name]
+            out += [t for t in (e.param.grad, e.held) if t is not None]
+        if self.tied and not self.split and self.schedule.is_adam_step(step):
+            embed = self.entries[EMBED].param.grad
+            if embed is not None and not any(t is embed for t in out):
+                out.append(embed)
+        return out
 
     # --- deferred gathers (defer_gathers) --------------------------------------------------------
     def launch_deferred_gathers(self, step: int) -> None:
@@ -618,8 +659,10 @@ class NgramRowOptimizer:
     (fp32 index_add_ from zero, in position order) and held with the plan. At a table event
     `exchange.push` sums each rank's held steps per row (step order), sends every owner its rows
     along the pulls' routes reversed and merges them per row (sender order), all with indices
-    planned on the host; then optim.adam.row_sparse_adam_event updates the touched rows. The sums
-    are bitwise those of the former all-gather implementation on CPU (same order, fp32 from zero).
+    planned on the host; then optim.adam.row_sparse_adam_event updates the touched rows. A process
+    playing several virtual ranks holds each one's steps apart (the plan's lane), and the owner
+    merges them in virtual-rank order: bitwise the sums of any other process layout (on CPU, where
+    index_add_ adds in order; CUDA's atomics do not promise an order).
     The last cycle of a run has no event (record #360 too)."""
 
     def __init__(self, shard: Tensor, rows_per_rank: int, manager: OptimizerManager, exchange: RowExchange):
@@ -631,6 +674,9 @@ class NgramRowOptimizer:
         if (exchange.rank, exchange.world_size) != (manager.rank, manager.world_size):
             raise ValueError(f"n-gram exchange is rank {exchange.rank} of {exchange.world_size}, the optimizer "
                              f"manager rank {manager.rank} of {manager.world_size}")
+        if exchange.lanes != manager.local_ranks:
+            raise ValueError(f"n-gram exchange keeps {exchange.lanes} virtual ranks apart, the optimizer manager "
+                             f"plays {manager.local_ranks}")
         self.shard, self.manager, self.exchange = shard, manager, exchange
         schedule = manager.schedule
         events = sum(1 for s in range(schedule.total_steps) if schedule.is_table_event(s))
@@ -659,10 +705,26 @@ class NgramRowOptimizer:
         if not self.manager.schedule.is_table_event(step):
             return False
         rows, sums = self.exchange.push(self._held, self.shard.size(1))     # (M,), (M, D)
-        row_sparse_adam_event(self.shard, self.state, rows, sums, **self.manager.ngram_event_hparams(step))
+        new_rows = row_sparse_adam_event(self.shard, self.state, rows, sums, **self.manager.ngram_event_hparams(step),
+                                         host_rows=self.exchange.pushed_rows)
         self._held.clear()
         self.version += 1
+        self.last_event = (self.exchange.pushed_rows, new_rows)
         return True
+
+    def patch_pull(self, pull) -> None:
+        """Bring a pull launched before the last table event up to date (one process: it owns every
+        row): the event's rows among the pull's distinct rows get their new values; the others did
+        not change. Host-side intersection, device index_copy_: no sync."""
+        if self.exchange.world_size != 1:
+            raise RuntimeError("NgramRowOptimizer.patch_pull: a pull across a table event needs one process "
+                               "(on several, other owners' rows changed too)")
+        event_rows, new_rows = self.last_event
+        _, in_pull, in_event = np.intersect1d(pull.plan.unique - self.exchange.lo, event_rows,
+                                              assume_unique=True, return_indices=True)
+        if in_pull.size:
+            positions, picks = self.exchange.upload_indices(in_pull, in_event)
+            pull.patch(positions, new_rows.index_select(0, picks))
 
     def reset(self) -> None:
         self.state.zero_()

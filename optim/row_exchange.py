@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from perf.host_table import HostRows
 from perf.pinned_batches import PinnedStaging
 
 # ours: requests prepared ahead (RowExchange.prepare) and never planned are dropped past this many
@@ -129,6 +130,7 @@ class RowPlan:
     served: np.ndarray               # (S,) int64: local rows (global - lo) asked of this rank, by asker, each asker's sorted
     inverse_dev: Tensor              # (N,) int64 on the exchange's device
     served_dev: Tensor               # (S,) int64 on the exchange's device
+    lane: int = 0                    # which of the process's virtual ranks asked (its batch's index in the step)
 
     @property
     def num_ids(self) -> int:
@@ -150,12 +152,15 @@ class RowExchange:
     the same point); on a gloo default backend, the default group. The rows themselves travel on
     the default group. world_size == 1 needs no torch.distributed at all."""
 
-    def __init__(self, num_rows: int, rank: int, world_size: int, device, group=None):
+    def __init__(self, num_rows: int, rank: int, world_size: int, device, group=None, lanes: int = 1):
+        if lanes < 1:
+            raise ValueError(f"RowExchange: lanes={lanes} (virtual ranks per process) must be at least 1")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"RowExchange: rank {rank} is outside world size {world_size}")
         if num_rows < 1 or num_rows % world_size:
             raise ValueError(f"RowExchange: num_rows={num_rows} rows do not shard evenly over {world_size} ranks")
         self.num_rows, self.rank, self.world_size = num_rows, rank, world_size
+        self.lanes = lanes  # virtual ranks this process plays: a push keeps their gradients apart (plan_push)
         self.rows_per_rank = num_rows // world_size
         self.lo, self.hi = rank * self.rows_per_rank, (rank + 1) * self.rows_per_rank
         self.device = torch.device(device)
@@ -200,9 +205,9 @@ class RowExchange:
         counts and ids exchange, the upload) without doing it again. No collective here."""
         self._prepared.append((row_ids, self._submit(split_requests, row_ids, self.num_rows, self.world_size)))
 
-    def plan(self, row_ids) -> RowPlan:
+    def plan(self, row_ids, lane: int = 0) -> RowPlan:
         """Routes for fetching rows `row_ids` (host int tensor or array [N], global ids, any order,
-        repeats allowed). Host work only (taken from `prepare` when it started this request);
+        repeats allowed), asked by virtual rank `lane` of this process. Host work only (taken from `prepare` when it started this request);
         on world_size > 1 a collective over the host group (every rank plans the same number of
         requests in the same order)."""
         requests = None
@@ -226,11 +231,11 @@ class RowExchange:
             if served.size and (served.min() < 0 or served.max() >= self.rows_per_rank):
                 raise RuntimeError(f"RowExchange.plan: rank {self.rank} was asked for rows outside its "
                                    f"[{self.lo}, {self.hi}): the ranks disagree on num_rows or the split")
-        inverse_dev, served_dev = self._upload(inverse, served)
+        inverse_dev, served_dev = self.upload_indices(inverse, served)
         return RowPlan(self.rank, self.world_size, unique, inverse, tuple(int(c) for c in ask),
-                       tuple(int(c) for c in serve), served, inverse_dev, served_dev)
+                       tuple(int(c) for c in serve), served, inverse_dev, served_dev, lane)
 
-    def _upload(self, *arrays: np.ndarray) -> list[Tensor]:
+    def upload_indices(self, *arrays: np.ndarray) -> list[Tensor]:
         """int64 host arrays -> device tensors: one staged copy (`PinnedStaging`: a reused host
         buffer, pinned on CUDA, one non-blocking copy); the arrays themselves on CPU."""
         arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in arrays]
@@ -257,7 +262,7 @@ class RowExchange:
             if _same_plans(self._push_prepared[0], plans):
                 return
             self._push_prepared[1].cancel()  # superseded (a later batch of the same step); harmless if running
-        self._push_prepared = (plans, self._submit(plan_push, plans, self.starts))
+        self._push_prepared = (plans, self._submit(plan_push, plans, self.starts, self.lanes))
 
     def _check(self, plan: RowPlan) -> None:
         if (plan.rank, plan.world_size) != (self.rank, self.world_size):
@@ -282,7 +287,13 @@ class RowExchange:
         if table_shard.dim() != 2 or table_shard.size(0) != self.rows_per_rank:
             raise ValueError(f"RowExchange.pull: table_shard must be [rows_per_rank={self.rows_per_rank}, D], "
                              f"got {tuple(table_shard.shape)}")
-        answers = table_shard.index_select(0, plan.served_dev)              # (S, D): by asker
+        if isinstance(table_shard, HostRows):  # the table in host memory: gathered off the main thread
+            pending = table_shard.start_gather(plan.served)
+            if self.world_size == 1:
+                return PendingPull(plan, None, None, None, pending)             # (U, D) when finished
+            answers = pending.result()  # the exchange below waits for this rank's own gather
+        else:
+            answers = table_shard.index_select(0, plan.served_dev)          # (S, D): by asker
         if self.world_size == 1:
             return PendingPull(plan, answers, None, answers)                # (U, D)
         rows = table_shard.new_empty((plan.unique.size, table_shard.size(1)))  # (U, D): by owner = sorted
@@ -293,11 +304,13 @@ class RowExchange:
         """A table event's gradient exchange (a collective on world_size > 1).
 
         held: this rank's (plan, gradient merged per distinct row (U_k, D) fp32) pairs of the cycle,
-        in step order. Each rank first sums its cycle per distinct row (step order, fp32 from zero),
-        then sends each owner the rows it owns along the pulls' routes reversed; the owner sums
-        what it receives per row (sender order, fp32 from zero). Returns (rows (M,) int64: the
+        in step order. Each rank first sums its cycle per distinct row, each of its virtual ranks
+        (`RowPlan.lane`) apart (step order, fp32 from zero), then sends each owner the rows it owns
+        along the pulls' routes reversed; the owner sums what it receives per row (virtual-rank
+        order, fp32 from zero): bitwise the same sums for any process layout (plan_push). Returns (rows (M,) int64: the
         distinct touched rows of this rank's shard, sorted; sums (M, D) fp32). The merge indices
-        are planned on the host (plan_push); only the rows move on the device."""
+        are planned on the host (plan_push); only the rows move on the device. The rows' host copy
+        stays in `pushed_rows` (a host table writes them back by it)."""
         for plan, grad in held:
             self._check(plan)
             if grad.shape != (plan.unique.size, dim) or grad.dtype != torch.float32:
@@ -308,8 +321,9 @@ class RowExchange:
         if prepared is not None and _same_plans(prepared[0], plans):
             routes = prepared[1].result()                                   # planned ahead (prepare_push)
         else:
-            routes = plan_push(plans, self.starts)
-        *positions, rows, merge_index = self._upload(*routes.positions, routes.rows, routes.merge_index)
+            routes = plan_push(plans, self.starts, self.lanes)
+        *positions, rows, merge_index = self.upload_indices(*routes.positions, routes.rows, routes.merge_index)
+        self.pushed_rows = routes.rows
         cycle = torch.zeros((routes.cycle_ids.size, dim), dtype=torch.float32, device=self.device)  # (C, D)
         for (_, grad), pos in zip(held, positions):
             cycle.index_add_(0, pos, grad)
@@ -326,15 +340,34 @@ class RowExchange:
 class PendingPull:
     """A launched row pull (RowExchange.start_pull): the distinct rows arriving in `rows` (U, D)."""
 
-    def __init__(self, plan: RowPlan, rows: Tensor, work, answers: Tensor):
+    def __init__(self, plan: RowPlan, rows: Tensor | None, work, answers: Tensor | None, gathering=None):
         self.plan, self.rows, self._work = plan, rows, work
         self._answers = answers  # the send buffer stays alive until the exchange is waited
+        self._gathering = gathering  # a host table's gather in flight (perf/host_table.py PendingRows)
+        self._patches: list[tuple[Tensor, Tensor]] = []
+
+    def patch(self, positions: Tensor, values: Tensor) -> None:
+        """Overwrite distinct rows `positions` (device int64, into the plan's `unique`) with `values`
+        once they have arrived: rows a table event rewrote after this pull was launched."""
+        self._patches.append((positions, values))
+        if self.rows is not None and self._gathering is None and self._work is None:
+            self._apply_patches()
+
+    def _apply_patches(self) -> None:
+        for positions, values in self._patches:
+            self.rows.index_copy_(0, positions, values)
+        self._patches.clear()
 
     def wait(self) -> None:
         """Wait for the exchange (on CUDA the current stream waits; the host does not)."""
+        if self._gathering is not None:
+            self.rows, self._gathering = self._gathering.result(), None
+        if self._patches and self._work is None:
+            self._apply_patches()
         if self._work is not None:
             self._work.wait()
             self._work, self._answers = None, None
+            self._apply_patches()
 
     def finish(self, out: Tensor | None = None) -> Tensor:
         """Wait, then the plan's N rows: expanded into `out` (an (N, D) buffer, returned) or a
@@ -354,7 +387,7 @@ class PendingPull:
 class PushRoutes:
     """One rank's routes for a table event's gradients, planned on the host from its cycle's pull
     plans (the pulls' routes reversed: no exchange needed)."""
-    cycle_ids: np.ndarray            # (C,) int64: this rank's distinct global rows of the cycle, sorted
+    cycle_ids: np.ndarray            # (C,) int64: each lane's distinct global rows of the cycle, by (owner, lane, row)
     positions: list[np.ndarray]      # per held step k: (U_k,) int64 positions of its rows in cycle_ids
     send_counts: tuple[int, ...]     # (W,): rows of cycle_ids each owner holds (contiguous)
     recv_counts: tuple[int, ...]     # (W,): rows each sender sends this rank
@@ -380,16 +413,42 @@ def _merge_sorted(runs: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return ordered[first], inverse
 
 
-def plan_push(plans: Sequence[RowPlan], starts: np.ndarray) -> PushRoutes:
+def plan_push(plans: Sequence[RowPlan], starts: np.ndarray, lanes: int = 1) -> PushRoutes:
     """Host planning of a table event from the cycle's plans (step order); starts (W + 1,): the
-    owners' first rows. As a sender, a rank sends its cycle's distinct rows (sorted, so grouped by
-    owner); as an owner, it receives from each sender the union of the rows that sender asked of
-    it during the cycle, sorted: both sides derive the same counts from the same plans."""
+    owners' first rows; lanes: the virtual ranks each process plays (`RowPlan.lane` says whose
+    batch a plan served; the same count on every process).
+
+    As a sender, a rank sends, for every owner, each of its lanes' distinct rows of the cycle that
+    owner holds (owner, then lane, then row: sorted within a lane); as an owner, it receives from
+    each sender, lane by lane, the union of the rows that lane asked of it during the cycle, sorted.
+    Both sides derive the same counts from the same plans. So an owner sums a row's gradient over
+    the virtual ranks in their global order (sender s, lane a is virtual rank s·lanes + a), each
+    virtual rank's own cycle sum first: the same additions in the same order whatever the process
+    layout (1 process playing 8 ranks, 2 playing 4, 8 playing 1)."""
     world = starts.size - 1
-    cycle_ids, inverse = _merge_sorted([p.unique for p in plans])                  # (C,), (sum U_k,)
-    positions = np.split(inverse, np.cumsum([p.unique.size for p in plans])[:-1]) if plans else []
-    send_counts = np.diff(np.searchsorted(cycle_ids, starts))
-    from_sender = [_merge_sorted([p.served_by(s) for p in plans])[0] for s in range(world)]
+    by_lane = [[k for k, p in enumerate(plans) if p.lane == a] for a in range(lanes)]
+    if any(not 0 <= p.lane < lanes for p in plans):
+        raise ValueError(f"plan_push: a plan's lane is outside the {lanes} lanes of this process")
+    lane_ids, positions = [], [None] * len(plans)
+    for ks in by_lane:
+        ids, inverse = _merge_sorted([plans[k].unique for k in ks])               # (C_a,), (sum U_k,)
+        lane_ids.append(ids)
+        for k, inv in zip(ks, np.split(inverse, np.cumsum([plans[k].unique.size for k in ks])[:-1]) if ks else []):
+            positions[k] = inv
+    # the send buffer: block (owner o, lane a) holds lane a's rows owned by o
+    bounds = np.stack([np.searchsorted(ids, starts) for ids in lane_ids])          # (A, W + 1)
+    counts = np.diff(bounds, axis=1)                                                # (A, W)
+    block_start = np.concatenate([[0], np.cumsum(counts.T.reshape(-1))[:-1]]).reshape(world, lanes)  # (W, A)
+    cycle_ids = np.empty(int(counts.sum()), dtype=np.int64)
+    for a, ks in enumerate(by_lane):
+        owner = np.searchsorted(starts, lane_ids[a], side="right") - 1              # (C_a,)
+        where = block_start[owner, a] + np.arange(lane_ids[a].size) - bounds[a, owner]
+        cycle_ids[where] = lane_ids[a]
+        for k in ks:
+            positions[k] = where[positions[k]]
+    from_sender = [_merge_sorted([p.served_by(s) for p in (plans[k] for k in ks)])[0]
+                   for s in range(world) for ks in by_lane]                        # (sender, lane) order
     rows, merge_index = _merge_sorted(from_sender)
-    return PushRoutes(cycle_ids, positions, tuple(int(c) for c in send_counts),
-                      tuple(int(a.size) for a in from_sender), rows, merge_index)
+    recv = [sum(int(a.size) for a in from_sender[s * lanes:(s + 1) * lanes]) for s in range(world)]
+    return PushRoutes(cycle_ids, positions, tuple(int(c) for c in counts.sum(axis=0)), tuple(recv), rows,
+                      merge_index)

@@ -266,6 +266,7 @@ def host_run(cfg, rank: int, world_size: int, backend) -> training.Run:
     run.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size)
                     for r in setup.virtual_ranks] if features.sampled_softmax else []
     run.windows = run.schedule.windows(0)
+    run.lanes = None  # one virtual rank per process (setup.accum = 1)
     run.forward = None  # the regions are replays: the model never runs
     run.hash_sizes = ngram_hash_sizes(cfg.model) if features.ngram else NO_NGRAM
     run.graphs = None

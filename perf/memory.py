@@ -45,6 +45,7 @@ from optim.schedule import StepSettings, StepWeights, TrainingSchedule
 from optim.tail_average import TailAverages
 from perf.backend import current as current_backend, use_backend
 from perf.cuda_graphs.cost import capture_check_cost, format_capture_check
+from perf.host_table import H100_MEMORY_BYTES, choose_placement
 
 GIB = 2 ** 30
 
@@ -171,7 +172,7 @@ def build_rank_on_meta(cfg: RunConfig, world_size: int, rank: int = 0) -> RankOn
             table = NgramTable(cfg.model, rank, world_size, device="meta")
             # the row optimizer reads only the exchange's split (a RowExchange needs a process group)
             split = SimpleNamespace(num_rows=cfg.model.ngram_rows, rows_per_rank=table.rows.size(0),
-                                    rank=rank, world_size=world_size)
+                                    rank=rank, world_size=world_size, lanes=1)
             ngram_opt = NgramRowOptimizer(table.rows, table.rows.size(0), manager, split)
         tails = TailAverages(manager, schedule)
         step_weights = StepWeights(schedule, "meta")
@@ -179,6 +180,21 @@ def build_rank_on_meta(cfg: RunConfig, world_size: int, rank: int = 0) -> RankOn
         mask = torch.zeros((V, (V + 7) // 8), dtype=torch.uint8) if cfg.canonical_mask else None
         model.refresh_fp8()
     return RankOnMeta(cfg, world_size, schedule, model, manager, table, ngram_opt, tails, step_weights, mask)
+
+
+def host_table_staging(rank: RankOnMeta) -> list[MemoryItem]:
+    """The pinned host buffers of a host-memory n-gram table (perf/host_table.py) at the worst step:
+    a gather per pull in flight (this micro-batch's and the next step's prefetched ones: ≤ 2 ids per
+    token of a virtual rank's batch) and a table event's write-back (≤ the cycle's distinct rows)."""
+    schedule, cfg, d = rank.schedule, rank.cfg, rank.cfg.model.model_dim
+    ids = max(2 * schedule.batch_tokens(s) // cfg.virtual_world_size for s in range(schedule.total_steps))
+    events = [s for s in range(schedule.total_steps) if schedule.is_table_event(s)]
+    cycle = max((b - a for a, b in zip(events, events[1:])), default=1)  # steps held before an event
+    rows = min(rank.table.rows.size(0), cycle * rank.accum * ids)
+    return [MemoryItem("n-gram gather staging", (rank.accum + 1) * ids * d * 2,
+                       f"pinned bf16 [{ids:,}, {d}] per pull in flight ({rank.accum} prefetched + 1)", where="host"),
+            MemoryItem("n-gram write-back staging", rows * d * 2,
+                       f"pinned bf16 [{rows:,}, {d}]: a table event's rows ({cycle}-step cycle)", where="host")]
 
 
 def _gib(b: int) -> str:
@@ -218,12 +234,23 @@ def static_items(rank: RankOnMeta) -> list[MemoryItem]:
                                     f"fp16 {_shape(e.held)}: the table cycle's gradient sum"))
     t = rank.table
     if t is not None:  # (features.ngram off: neither)
+        placement, why = choose_placement(cfg.ngram_table, nbytes(t.rows), torch.device("cuda"), H100_MEMORY_BYTES)
         items.append(MemoryItem("n-gram table shard", nbytes(t.rows),
-                                f"bf16 {_shape(t.rows)}: rows {t.lo:,}-{t.hi:,} of {t.num_rows:,}"))
+                                f"bf16 {_shape(t.rows)}: rows {t.lo:,}-{t.hi:,} of {t.num_rows:,}; on an H100, "
+                                f"{why}", where=placement))
+        if placement == "host":  # perf/host_table.py: gathers and write-backs through pinned staging
+            items += host_table_staging(rank)
         st = rank.ngram_opt.state
         items.append(MemoryItem("n-gram row Adam state", sum(map(nbytes, _fields(st))),
                                 f"second moment fp32, last event int32 per row; "
                                 f"{st.log_beta2_sum.numel():,} fp64 log-β2 sums"))
+    if rank.accum > 1:  # optim/lanes.py: each virtual rank's own gradients and fp8 delayed scales
+        lane = [p for e in rank.manager.entries.values() if e.rule.optim != "bank" and e.name != "value_embeds"
+                for p in [e.param]] + [e.held for e in rank.manager.entries.values() if e.held is not None]
+        delayed = m.mlp_fp8.delayed_state() if m.mlp_fp8 is not None else []
+        items.append(MemoryItem("virtual-rank lanes", rank.accum * (sum(map(nbytes, lane + delayed))),
+                                f"{rank.accum} copies of the Adam gradients, the fp16 cycle gradient and the fp8 "
+                                f"delayed scales (optim/lanes.py)"))
     fp8 = dict(m.mlp_fp8.named_buffers()) if m.mlp_fp8 is not None else {}
     items.append(MemoryItem("fp8 MLP caches (Fp8MLPState)", sum(map(nbytes, fp8.values())),
                             "e4m3 W1, W2 in both layouts, per-slot scales and tile amaxes"))
@@ -466,8 +493,11 @@ def format_memory(report: MemoryReport, top: int = 6, capture: str | None = None
         lines.append(f"  {item.name:<{width - 2}} {_gib(item.bytes):>7}  {item.detail}")
     lines.append(f"  {'total':<{width - 2}} {_gib(report.static_bytes):>7}")
     lines.append(f"{'host (not on the device)':<{width}}")
-    for item in (i for i in report.static if i.where == "host"):
+    host = [i for i in report.static if i.where == "host"]
+    for item in host:
         lines.append(f"  {item.name:<{width - 2}} {_gib(item.bytes):>7}  {item.detail}")
+    lines.append(f"  {'total':<{width - 2}} {_gib(sum(i.bytes for i in host)):>7}  per process (perf.preflight checks "
+                 f"the node's RAM for it)")
     lines += ["", "per schedule geometry (one compiled graph each), GiB per rank: the training forward and "
               "backward on meta at the per-rank shapes, portable path",
               "(fp8 GEMMs through torch._scaled_mm, the portable CE, eager: no compiled-graph fusion), attention "

@@ -50,6 +50,10 @@ CUDART_13 = "libcudart.so.13"  # record #360: the FA3 binary links the CUDA 13 r
 MIN_FREE_DISK_BYTES = 10 * 10**9  # ours: Inductor + Triton caches of the record's graphs and the hub cache
 MIN_HOST_RAM_BYTES = 32 * 2**30  # ours: 8 ranks with compile workers and pinned batch buffers
 WARN_HOST_RAM_BYTES = 64 * 2**30  # ours: below this, compile workers of 8 ranks can swap
+# ours: a host-memory n-gram table (perf/host_table.py) needs the whole table in the node's RAM plus
+# its pinned staging (perf.memory: 5.8 GiB for the record's recipe on 1 process) and the run's own
+HOST_TABLE_MARGIN_BYTES = 16 * 2**30
+HOST_TABLE_PINNED_BYTES = 6 * 2**30  # ours: the staging perf.memory counts, pinned by the CUDA host allocator
 NCCL_TIMEOUT_S = 180  # ours: spawn 8 processes, init NCCL, one all_reduce
 # tiktoken's GPT-2 files (tiktoken_ext/openai_public.py): the canonical mask (record #92) tokenizes with them
 TIKTOKEN_GPT2_URLS = ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
@@ -102,6 +106,10 @@ CHECKS = (
           "free space, or point TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR / HF_HOME at a larger disk"),
     Check("ram", f"available host RAM >= {MIN_HOST_RAM_BYTES >> 30} GiB (WARN below {WARN_HOST_RAM_BYTES >> 30} GiB)",
           "stop other processes or rent a node with more memory"),
+    Check("host_table", "a host-memory n-gram table (ngram_table=host, or auto on a GPU it does not fit) fits the "
+          "available RAM with a margin, and the locked-memory limit allows its pinned staging",
+          "run on fewer ranks' worth of table per node, free RAM, or raise the limit (ulimit -l unlimited; "
+          "docker run --ulimit memlock=-1)"),
     Check("compiler", "a C compiler (cc/gcc/clang or $CC) and Python.h (Triton builds its launcher with them)",
           "apt-get install build-essential python3-dev (or the -dev package of your Python)"),
 )
@@ -289,6 +297,43 @@ def check_ram(available_bytes: int | None) -> Row:
     if available_bytes < MIN_HOST_RAM_BYTES:
         return _row("ram", False, found)
     return _row("ram", True, found) if available_bytes >= WARN_HOST_RAM_BYTES else _row("ram", False, found, warn=True)
+
+
+def check_host_table(placement: str, table_bytes: int, available_bytes: int | None, memlock_bytes: int | None) -> Row:
+    """placement: where the run puts its n-gram table; table_bytes: the table of every process on this
+    node; memlock_bytes: RLIMIT_MEMLOCK (None: unlimited)."""
+    if placement != "host":
+        return _row("host_table", True, "the n-gram table lives on the device")
+    need = table_bytes + HOST_TABLE_MARGIN_BYTES
+    if available_bytes is None or available_bytes < need:
+        have = "unknown" if available_bytes is None else f"{available_bytes / 2**30:.1f} GiB"
+        return _row("host_table", False, f"the table in host memory needs {need / 2**30:.1f} GiB "
+                                         f"({table_bytes / 2**30:.2f} table + {HOST_TABLE_MARGIN_BYTES >> 30} margin), "
+                                         f"available: {have}")
+    if memlock_bytes is not None and memlock_bytes < HOST_TABLE_PINNED_BYTES:
+        return _row("host_table", False, f"locked-memory limit {memlock_bytes / 2**20:.0f} MiB is below the "
+                                         f"{HOST_TABLE_PINNED_BYTES >> 30} GiB of pinned staging", warn=True)
+    return _row("host_table", True, f"{table_bytes / 2**30:.2f} GiB table in host memory, "
+                                    f"{available_bytes / 2**30:.1f} GiB available")
+
+
+def probe_host_table(cfg) -> tuple[str, int]:
+    """(placement of this node's table, its bytes on this node): every local process's shard."""
+    import torch
+
+    from perf.host_table import choose_placement
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    shard = cfg.model.ngram_rows // world * cfg.model.model_dim * 2
+    if not cfg.features.ngram or not torch.cuda.is_available():
+        return "device", shard * processes
+    return choose_placement(cfg.ngram_table, shard, torch.device("cuda", 0))[0], shard * processes
+
+
+def probe_memlock() -> int | None:
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def check_compiler(compiler: str | None, python_h: str | None, python_h_exists: bool) -> Row:
@@ -552,6 +597,8 @@ def run_checks(cfg, full: bool = True, raw: dict | None = None) -> list[Row]:
     rows.append(check_disk(raw["disk"]))
     raw["ram"] = probe_ram()
     rows.append(check_ram(raw["ram"]))
+    raw["host_table"] = (*probe_host_table(cfg), raw["ram"], probe_memlock())
+    rows.append(check_host_table(*raw["host_table"]))
     raw["compiler"] = probe_compiler()
     rows.append(check_compiler(*raw["compiler"]))
     raw["platform"] = platform.platform()

@@ -7,7 +7,8 @@ runs: n, mean ± sample std of train time and of val loss, the one-sided t-test 
 being below the 3.28 target (`scipy.stats.ttest_1samp(..., alternative='less')`; t is printed as the
 margin (3.28 − mean)/(s/√n), positive when below, as upstream statistics.md does), and a Welch
 t-test (two-sided) of each group against the baseline group on time and on loss, and the mean
-tokens/s and MFU of the runs that logged them (perf/cost.py; "-" where none did). Printed as a
+tokens/s, MFU (model FLOPs over the time at the bf16 dense peak) and peak fraction (each kind at
+its own peak) of the runs that logged them (perf/cost.py; "-" where none did). Printed as a
 Markdown table. Without scipy the p-values are left out (the rest still prints); without
 matplotlib --plot is skipped with a message. Malformed lines are reported with their line number.
 """
@@ -133,7 +134,7 @@ def summary_table(groups: dict[str, list[dict]], key: str, baseline: str | None)
               f"p(loss < {TARGET_VAL_LOSS})"]
     if base is not None:
         header += ["Δ time (s)", "p time (Welch)", "Δ loss", "p loss (Welch)"]
-    header += ["tokens/s", "MFU"]
+    header += ["tokens/s", "MFU (bf16 peak)", "peak fraction"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, runs in groups.items():
         losses, times = _losses_times(runs)
@@ -148,10 +149,10 @@ def summary_table(groups: dict[str, list[dict]], key: str, baseline: str | None)
 
 
 def throughput_cells(runs: list[dict]) -> list[str]:
-    """Mean tokens/s and MFU of the runs that logged them (perf/cost.py; MFU needs a known GPU): "-"
-    where none did (older runs.jsonl lines, CPU runs for MFU)."""
+    """Mean tokens/s, MFU and peak fraction of the runs that logged them (perf/cost.py; the last two
+    need a known GPU): "-" where none did (older runs.jsonl lines, CPU runs)."""
     cells = []
-    for field, fmt in (("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}")):
+    for field, fmt in (("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}"), ("peak_fraction", "{:.1%}")):
         values = [r[field] for r in runs if isinstance(r.get(field), (int, float))]
         cells.append(fmt.format(statistics.fmean(values)) if values else "-")
     return cells
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, problems = read_runs(args.runs)
     for lineno, why in problems:
         print(f"warning: {args.runs}:{lineno}: skipped malformed line: {why}", file=sys.stderr)
+    runs = [r for r in runs if r.get("kind") != "evaluation"]  # evaluate.py's score lines are not training runs
     finished = [r for r in runs if is_finished(r)]
     if len(finished) < len(runs):
         print(f"note: {len(runs) - len(finished)} run(s) not finished (failed, interrupted or without "

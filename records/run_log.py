@@ -38,15 +38,18 @@ SKIPPED_DIRS = {"__pycache__", "logs", "fineweb10B"}  # run outputs and data, no
 
 
 def format_step_line(step: int, total_steps: int, train_time_ms: float, tokens_per_s: float | None = None,
-                     mfu: float | None = None) -> str:
+                     mfu: float | None = None, peak_fraction: float | None = None) -> str:
     """`step:{s}/{N} train_time:{ms:.0f}ms step_avg:{ms/s:.2f}ms`; `step` counts finished steps. Ours
-    appends ` tokens/s:{:.0f}` and ` mfu:{:.1f}%` (perf/cost.py) when known: upstream's parsers,
-    which search for the fields above, still read the line."""
+    appends ` tokens/s:{:.0f}`, ` mfu:{:.1f}%` (the standard MFU: model FLOPs over the time at the bf16
+    dense peak) and ` peak_fraction:{:.1f}%` (each kind at its own peak) when known (perf/cost.py
+    RunCost): upstream's parsers, which search for the fields above, still read the line."""
     line = f"step:{step}/{total_steps} train_time:{train_time_ms:.0f}ms step_avg:{train_time_ms / max(step, 1):.2f}ms"
     if tokens_per_s is not None:
         line += f" tokens/s:{tokens_per_s:.0f}"
     if mfu is not None:
         line += f" mfu:{100 * mfu:.1f}%"
+    if peak_fraction is not None:
+        line += f" peak_fraction:{100 * peak_fraction:.1f}%"
     return line
 
 
@@ -60,7 +63,7 @@ def format_peak_memory_line(allocated_mib: float, reserved_mib: float) -> str:
     return f"peak memory allocated: {allocated_mib:.0f} MiB reserved: {reserved_mib:.0f} MiB"
 
 
-_STEP_RE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:([0-9.]+)ms(?: tokens/s:\d+)?(?: mfu:[0-9.]+%)?$")
+_STEP_RE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:([0-9.]+)ms(?: tokens/s:\d+)?(?: mfu:[0-9.]+%)?(?: peak_fraction:[0-9.]+%)?$")
 _VAL_RE = re.compile(r"^step:(\d+)/(\d+) val_loss:([0-9.naif+-]+) train_time:(\d+)ms step_avg:([0-9.]+)ms$")
 _PEAK_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB$")
 

@@ -50,8 +50,8 @@ class RunRecorder:
 
     def finish(self, val_loss: float, train_time_ms: float, steps: int,
                peak_memory_mib: tuple[float, float] | None = None, tokens_per_s: float | None = None,
-               mfu: float | None = None) -> None:
-        self.record.tokens_per_s, self.record.mfu = tokens_per_s, mfu
+               mfu: float | None = None, peak_fraction: float | None = None) -> None:
+        self.record.tokens_per_s, self.record.mfu, self.record.peak_fraction = tokens_per_s, mfu, peak_fraction
         self.record.val_loss = float(val_loss)
         self.record.train_time_ms = float(train_time_ms)
         self.record.steps = steps

@@ -4,7 +4,9 @@ Every run that started appends exactly one line when it ends: finished, failed o
 Fields (DESIGN.md "Logs and records"): run_id, started (ISO time), config, label, world_size,
 device, git_commit, git_dirty, steps, train_time_ms, val_loss, peak_memory_allocated_mib,
 peak_memory_reserved_mib, status, error, log_path; tokens_per_s (global tokens over the timed
-training) and mfu (perf.cost.RunCost: null where the device's peak is unknown, e.g. a CPU);
+training), mfu (perf.cost.RunCost: the model's FLOPs over the time at the device's bf16 dense peak,
+the standard MFU) and peak_fraction (each kind of FLOP at its own peak, fp8 at the fp8 peak: the
+fraction of the tensor-core floor reached), both null where the device's peak is unknown (a CPU);
 overrides (train_gpt.py --set assignments, null when none).
 
 Appends are atomic across processes: the whole line goes out in one write(2) on an O_APPEND
@@ -54,8 +56,10 @@ class RunRecord:
     peak_memory_reserved_mib: float | None = None
     error: str | None = None
     tokens_per_s: float | None = None
-    mfu: float | None = None
+    mfu: float | None = None  # model FLOPs / (time × bf16 dense peak)
+    peak_fraction: float | None = None  # Σ FLOPs of each kind / its own peak, over the time
     overrides: list[str] | None = None  # train_gpt.py --set assignments (None: the preset as it is)
+    train_losses: list[float] | None = None  # --log-train-loss: every step's training loss, full precision
 
     def __post_init__(self):
         if self.status not in STATUSES:

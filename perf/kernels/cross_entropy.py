@@ -57,6 +57,8 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E5M2_MAX = torch.finfo(E5M2).max  # 57344
 CE_SLAB_ROWS = 8192  # ours: rows per slab of the portable twins' fp32 [rows, N] temporaries (and the
 #                      fp8 lm_head GEMM's fp32 output): 8192 × 50304 × 4 B = 1.6 GB at full vocabulary
+GRAD_SLAB_ROWS = CE_SLAB_ROWS // 2  # ours: the bf16/fp32 twin's backward holds two fp32 slabs (σ and dz)
+#                      beside the 2-byte gradient it writes: half the rows keep them at one CE slab's bytes
 
 
 def _check_inputs(logits: Tensor, targets: Tensor, prefix_targets: Tensor | None,
@@ -112,56 +114,44 @@ def loss_weights(mtp_weights, prefix_weight, device) -> Tensor:
 # Portable twins: model/loss.py's math (`softcapped_ce`) restated in the kernels' operation order
 
 class _SoftcappedLoss(torch.autograd.Function):
-    """Σ_t L_t and lse [T] over a list of (row, class, weight) picks, and their logit gradient, in a
-    few passes over [T, N]."""
+    """Σ_t L_t and lse [T] of logits [T, N] (fp32 or bf16) and their logit gradient, one slab of
+    CE_SLAB_ROWS rows at a time: like the kernel, it keeps the logits themselves (2 bytes per element
+    in bf16) and lse for the backward, which recomputes σ; the fp32 [rows, N] temporaries live one
+    slab at a time and the gradient is written in the logits' dtype."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, picks: Tensor, pick_weights: Tensor) -> tuple[Tensor, Tensor]:
-        # picks [M, 2] (row, class) and their weights [M]: every (t, target) term of the loss
+    def forward(ctx, logits: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
+                num_mtp: int) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)  # an unused lse arrives as None: the lse-free backward
-        sig = logits.float().add(SOFTCAP_B).div_(SOFTCAP_C).sigmoid_()  # (T, N)
-        lse = SOFTCAP_A + torch.log((sig * SOFTCAP_A).sub_(SOFTCAP_A).exp_().sum(dim=-1))  # (T,)
-        rows, cols = picks.unbind(1)
-        total = (pick_weights * (lse[rows] - SOFTCAP_A * sig[rows, cols])).sum()
-        ctx.save_for_backward(sig, lse, picks, pick_weights)
-        ctx.logits_dtype = logits.dtype
+        T, N = logits.shape
+        lse = torch.empty(T, dtype=torch.float32, device=logits.device)
+        for lo in range(0, T, CE_SLAB_ROWS):
+            sig = _softcap_sigma(logits[lo: lo + CE_SLAB_ROWS])  # (rows, N)
+            lse[lo: lo + CE_SLAB_ROWS] = SOFTCAP_A + torch.log(sig.mul_(SOFTCAP_A).sub_(SOFTCAP_A).exp_().sum(dim=-1))
+        total = lse.new_zeros(())
+        for classes, w in _terms(T, N, targets, prefix_targets, weights, num_mtp):
+            n = classes.numel()
+            z = SOFTCAP_A * _softcap_sigma(logits[torch.arange(n, device=lse.device), classes])  # (n,)
+            total = total + (w * (lse[:n] - z)).sum()
+        ctx.save_for_backward(logits, lse, targets, prefix_targets, weights)
+        ctx.num_mtp = num_mtp
         return total, lse
 
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-        sig, lse, picks, pick_weights = ctx.saved_tensors
-        grad_out = _grad_or_zero(grad_out, lse)
-        rows, cols = picks.unbind(1)
-        row_weight = torch.zeros_like(lse).index_add_(0, rows, pick_weights)  # S_t
-        if grad_lse is not None:  # S_t → S'_t, picks ·keep, grad_out → g: per-row scalars only
-            keep, row_weight, grad_out = _lse_fold(grad_out, grad_lse, row_weight)
-            pick_weights = pick_weights * keep
-        grad = torch.exp(sig * SOFTCAP_A - lse[:, None]).mul_(row_weight[:, None])  # (T, N) S_t·softmax
-        grad.index_put_((rows, cols), -pick_weights, accumulate=True)
-        grad.mul_(sig).mul_(1 - sig).mul_(grad_out * (SOFTCAP_A / SOFTCAP_C))
-        return grad.to(ctx.logits_dtype), None, None
+        logits, lse, targets, prefix_targets, weights = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        _logit_grad_slabs(logits, lse, targets, prefix_targets, weights, ctx.num_mtp, _grad_or_zero(grad_out, lse),
+                          grad_lse, grad, lambda g: g, GRAD_SLAB_ROWS)
+        return grad, None, None, None, None
 
 
 def softcapped_loss_lse_portable(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
                                  prefix_weight) -> tuple[Tensor, Tensor]:
     """(Σ_t L_t, lse [T]) for logits [T, N] and targets (class positions in [0, N), others skipped) [T]."""
     _check_inputs(logits, targets, prefix_targets)
-    T, N = logits.shape
-    device = logits.device
-    rows = torch.arange(T, device=device)
-    picks, weights = [], []
-    for k in range(len(mtp_weights)):  # MTP: row t predicts targets[t + k]
-        picks.append(torch.stack([rows[: T - k], targets[k:]], dim=1))
-        weights.append(_as_weight(mtp_weights[k], device).expand(max(T - k, 0)))
-    if prefix_targets is not None:
-        picks.append(torch.stack([rows, prefix_targets], dim=1))
-        weights.append(_as_weight(prefix_weight, device).expand(T))
-    picks, weights = torch.cat(picks), torch.cat(weights)
-    # a skipped term keeps its slot with weight 0 (class 0 stands in): fixed sizes, no host sync
-    valid = (picks[:, 1] >= 0) & (picks[:, 1] < N)
-    picks = torch.where(valid[:, None], picks, 0)
-    weights = torch.where(valid, weights, 0.0)
-    return _SoftcappedLoss.apply(logits, picks, weights)
+    weights = loss_weights(mtp_weights, prefix_weight, logits.device)  # [w_0..w_{K-1}, w_p]
+    return _SoftcappedLoss.apply(logits, targets, prefix_targets, weights, len(mtp_weights))
 
 
 def softcapped_loss_sum_portable(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
@@ -185,8 +175,9 @@ def _terms(T: int, N: int, targets: Tensor, prefix_targets: Tensor | None, weigh
 
 
 def _softcap_sigma(logits: Tensor) -> Tensor:
-    """σ((ℓ + 5)/7.5) in fp32 of any-dtype logits (e4m3 bytes decode exactly)."""
-    return logits.float().add_(SOFTCAP_B).div_(SOFTCAP_C).sigmoid_()
+    """σ((ℓ + 5)/7.5) in fp32 of any-dtype logits (e4m3 bytes decode exactly): one new fp32 tensor
+    (a copy even of fp32 logits, then in place), the only temporary of its size."""
+    return logits.to(torch.float32, copy=True).add_(SOFTCAP_B).div_(SOFTCAP_C).sigmoid_()
 
 
 def softcapped_ce_e4m3_portable(logits8: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
@@ -208,15 +199,14 @@ def softcapped_ce_e4m3_portable(logits8: Tensor, targets: Tensor, prefix_targets
     return total, lse
 
 
-def softcapped_ce_grad_e5m2_portable(logits8: Tensor, lse: Tensor, targets: Tensor, prefix_targets: Tensor | None,
-                                     weights: Tensor, num_mtp: int, grad_out: Tensor, grad_scale: Tensor,
-                                     grad_lse: Tensor | None = None) -> Tensor:
-    """e5m2 [T, N] of ∂(grad_out·Σ_t L_t + Σ_t grad_lse_t·lse_t)/∂ℓ / grad_scale (saturated to ±57344),
-    from the e4m3 logits and the forward's lse: ∂L/∂ℓ = (23/7.5)·σ(1 − σ)·(S_t·softmax(z_t) − Σ w·[class =
-    target]), ∂lse/∂ℓ = (23/7.5)·σ(1 − σ)·softmax(z_t). grad_lse None: no lse term (the lse-free pass)."""
-    _check_inputs(logits8, targets, prefix_targets, (E4M3,), "softcapped_ce_grad_e5m2")
-    _check_grad_lse(grad_lse, logits8.shape[0], "softcapped_ce_grad_e5m2")
-    T, N = logits8.shape
+def _logit_grad_slabs(logits: Tensor, lse: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
+                      num_mtp: int, grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, finish,
+                      slab_rows: int = CE_SLAB_ROWS) -> None:
+    """out [T, N] = finish(∂(grad_out·Σ_t L_t + Σ_t grad_lse_t·lse_t)/∂ℓ), one slab of `slab_rows` rows
+    at a time, σ recomputed from the logits: ∂L/∂ℓ = (23/7.5)·σ(1 − σ)·(S_t·softmax(z_t) − Σ w·[class =
+    target]), ∂lse/∂ℓ = (23/7.5)·σ(1 − σ)·softmax(z_t). grad_lse None: no lse term (the lse-free pass).
+    finish maps an fp32 slab of the gradient to what `out` stores (its dtype, the e5m2 scale)."""
+    T, N = logits.shape
     terms = _terms(T, N, targets, prefix_targets, weights, num_mtp)
     row_weight = torch.zeros_like(lse)  # S_t
     for classes, w in terms:
@@ -225,18 +215,30 @@ def softcapped_ce_grad_e5m2_portable(logits8: Tensor, lse: Tensor, targets: Tens
     if grad_lse is not None:  # S_t → S'_t, picks ·keep, grad_out → g: per-row scalars only
         keep, row_weight, grad_out = _lse_fold(grad_out, grad_lse, row_weight)
         terms = [(classes, w * keep) for classes, w in terms]
-    out = torch.empty((T, N), dtype=E5M2, device=logits8.device)
-    for lo in range(0, T, CE_SLAB_ROWS):
-        hi = min(T, lo + CE_SLAB_ROWS)
-        sig = _softcap_sigma(logits8[lo:hi])  # (rows, N)
-        dz = torch.exp(sig * SOFTCAP_A - lse[lo:hi, None]).mul_(row_weight[lo:hi, None])  # S_t·softmax
+    for lo in range(0, T, slab_rows):
+        hi = min(T, lo + slab_rows)
+        sig = _softcap_sigma(logits[lo:hi])  # (rows, N)
+        # two fp32 slabs alive at once (σ and dz), every other step in place
+        dz = sig.mul(SOFTCAP_A).sub_(lse[lo:hi, None]).exp_().mul_(row_weight[lo:hi, None])  # S_t·softmax
         for classes, w in terms:  # − w at each (row, class) pick of the slab
             n = min(hi, classes.numel()) - lo
             if n > 0:
                 rows = torch.arange(n, device=dz.device)
                 dz.index_put_((rows, classes[lo: lo + n]), -w[lo: lo + n], accumulate=True)
-        grad = dz.mul_(sig).mul_(1 - sig).mul_(SOFTCAP_A / SOFTCAP_C).mul_(grad_out).div_(grad_scale)
-        out[lo:hi] = grad.clamp_(-E5M2_MAX, E5M2_MAX).to(E5M2)
+        dz.mul_(sig).mul_(sig.neg_().add_(1))  # ·σ(1 − σ)
+        out[lo:hi] = finish(dz.mul_(SOFTCAP_A / SOFTCAP_C).mul_(grad_out))
+
+
+def softcapped_ce_grad_e5m2_portable(logits8: Tensor, lse: Tensor, targets: Tensor, prefix_targets: Tensor | None,
+                                     weights: Tensor, num_mtp: int, grad_out: Tensor, grad_scale: Tensor,
+                                     grad_lse: Tensor | None = None) -> Tensor:
+    """e5m2 [T, N] of ∂(grad_out·Σ_t L_t + Σ_t grad_lse_t·lse_t)/∂ℓ / grad_scale (saturated to ±57344),
+    from the e4m3 logits and the forward's lse (`_logit_grad_slabs`)."""
+    _check_inputs(logits8, targets, prefix_targets, (E4M3,), "softcapped_ce_grad_e5m2")
+    _check_grad_lse(grad_lse, logits8.shape[0], "softcapped_ce_grad_e5m2")
+    out = torch.empty(logits8.shape, dtype=E5M2, device=logits8.device)
+    _logit_grad_slabs(logits8, lse, targets, prefix_targets, weights, num_mtp, grad_out, grad_lse, out,
+                      lambda g: g.div_(grad_scale).clamp_(-E5M2_MAX, E5M2_MAX).to(E5M2))
     return out
 
 

@@ -112,8 +112,14 @@ class Fp8MLPState(nn.Module):
             row.copy_(quantize(w, scale[:, None, None], E4M3))
             col.copy_(row.transpose(1, 2))
             amax.copy_(tile_amax(w, WEIGHT_TILE))
-        _roll_delayed(self.post_amax, self.post_scale, FP8_POST_HEADROOM / E4M3_MAX, 1e-6)
-        _roll_delayed(self.dpre_amax, self.dpre_scale, FP8_DPRE_HEADROOM / E5M2_MAX, 1e-12)
+        roll_delayed_scales(*self.delayed_state())
+
+    def delayed_state(self) -> list[Tensor]:
+        """The state a rank keeps for itself (DELAYED_STATE: activation and gradient amaxes and the
+        delayed scales they become; each rank's come from its own batch). The weight caches and
+        scales come from the weights, the same on every rank. One process playing several ranks
+        keeps a copy per rank (optim/lanes.py) and rolls each with `roll_delayed_scales`."""
+        return [getattr(self, name) for name in DELAYED_STATE]
 
     @torch.no_grad()
     def rearm(self) -> None:
@@ -127,6 +133,18 @@ class Fp8MLPState(nn.Module):
     def quantize_input(self, x: Tensor) -> Tensor:
         """e4m3 copy of the normed MLP input (shared by the two MLPs of the parallel layer)."""
         return quantize(x, self.x_scale, E4M3)
+
+
+# Fp8MLPState.delayed_state's buffers, in the order roll_delayed_scales takes them
+DELAYED_STATE = ("post_amax", "post_scale", "dpre_amax", "dpre_scale")
+
+
+@torch.no_grad()
+def roll_delayed_scales(post_amax: Tensor, post_scale: Tensor, dpre_amax: Tensor, dpre_scale: Tensor) -> None:
+    """The refresh's delayed half: each scale from the amax recorded since the last refresh (one
+    rank's, or one virtual rank's copy), the amaxes cleared."""
+    _roll_delayed(post_amax, post_scale, FP8_POST_HEADROOM / E4M3_MAX, 1e-6)
+    _roll_delayed(dpre_amax, dpre_scale, FP8_DPRE_HEADROOM / E5M2_MAX, 1e-12)
 
 
 def _roll_delayed(amax: Tensor, scale: Tensor, gain: float, floor: float) -> None:

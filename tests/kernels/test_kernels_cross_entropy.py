@@ -185,6 +185,40 @@ def test_loss_and_lse_match_the_model_definition_with_an_lse_gradient(impl, T, N
         assert ulp_distance(leaf.grad, want_grad, torch.bfloat16, atol=1e-6) <= 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_twin_in_several_slabs_is_the_definition_and_the_one_slab_twin(monkeypatch, dtype):
+    """The non-fp8 twin computes lse and the gradient one slab of rows at a time (no fp32 [T, N]):
+    over ragged slabs of 4 rows (forward) and 3 (backward) it is model/loss.py's definition (lse to
+    fp32 rounding, the bf16 gradient to one bf16 ulp) and the one-slab twin (fp32 elementwise math on
+    other slab shapes: a few fp32 ulps, bf16 after one rounding: <= 1 ulp)."""
+    T, N, mtp = 11, 37, (1.0, 0.5, 0.25)
+    logits, targets, prefix = _inputs(T, N, dtype, seed=9)
+    grad_lse = _lse_grad(T)
+    want_loss, want_lse, want_grad = _model_reference(logits, targets, mtp, prefix, 0.3, 1.7, grad_lse)
+
+    def run():
+        leaf = logits.detach().clone().requires_grad_()
+        loss, lse = ce.softcapped_loss_lse_portable(leaf, targets, mtp, prefix, 0.3)
+        torch.autograd.backward([loss, lse], [torch.tensor(1.7), grad_lse])
+        return loss.detach(), lse.detach(), leaf.grad
+
+    one_slab = run()
+    monkeypatch.setattr(ce, "CE_SLAB_ROWS", 4)
+    monkeypatch.setattr(ce, "GRAD_SLAB_ROWS", 3)
+    loss, lse, grad = run()
+    assert grad.dtype == dtype
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=0)
+    torch.testing.assert_close(lse, one_slab[1], rtol=1e-6, atol=0)
+    assert loss.item() == pytest.approx(one_slab[0].item(), rel=1e-6)
+    if dtype == torch.float32:
+        torch.testing.assert_close(grad.double(), want_grad, rtol=0, atol=4e-6)
+        torch.testing.assert_close(grad, one_slab[2], rtol=0, atol=1e-6)
+    else:
+        assert ulp_distance(grad, want_grad, torch.bfloat16, atol=1e-6) <= 1.0
+        assert ulp_distance(grad, one_slab[2], atol=1e-6) <= 1.0
+
+
 @pytest.mark.parametrize("impl", ["portable", "triton"])
 @pytest.mark.parametrize("T,N,mtp,with_prefix,_,grad_out", LSE_CASES)
 def test_e4m3_ce_with_an_lse_gradient_matches_the_model_definition(impl, T, N, mtp, with_prefix, _, grad_out):

@@ -1,4 +1,4 @@
-"""model/loss.py and the fp8 lm_head against loops and dequantized references; the README's z-loss
+"""model/loss.py and the fp8 lm_head against loops and dequantized references; docs/loss_terms.md's z-loss
 example, made as the one-line edit it describes, against the model's definition."""
 import __future__
 import inspect
@@ -222,17 +222,17 @@ def test_softcapped_loss_gradient_matches_autograd_of_the_plain_expression():
 
 
 # ------------------------------------------------------------------------------------------------
-# The README's worked example ("Adding a loss term"): a z-loss is one line in training_loss
+# docs/loss_terms.md's worked example: a z-loss is one line in training_loss
 
-Z_LOSS_LINE = "loss = loss + 1e-4 * lse.square().sum()"  # README "Adding a loss term", verbatim
+Z_LOSS_LINE = "loss = loss + 1e-4 * lse.square().sum()"  # docs/loss_terms.md, verbatim
 
 
 def _training_loss_with(line: str):
     """model/loss.py `training_loss` with `line` inserted before its closing `return loss`: the
-    README's one-line edit, made on the source, so the test sees what the edited file would run."""
+    docs/loss_terms.md's one-line edit, made on the source, so the test sees what the edited file would run."""
     source = inspect.getsource(loss_module.training_loss)
     closing = "\n    return loss\n"
-    assert source.endswith(closing), "training_loss no longer ends in `return loss`: update the README example"
+    assert source.endswith(closing), "training_loss no longer ends in `return loss`: update docs/loss_terms.md's example"
     source = source[: -len(closing)] + f"\n    {line}{closing}"
     namespace = dict(vars(loss_module))
     exec(compile(source, loss_module.__file__, "exec", flags=__future__.annotations.compiler_flag), namespace)
@@ -269,7 +269,7 @@ def _defined_step(x, w, cand, targets, mtp, prefix, pw, line, fp8, grad_out):
 @pytest.mark.parametrize("path,softmax", [("fp8-portable", "sampled"), ("fp8-portable", "full"),
                                           ("fp8-triton", "sampled"), ("fp8-triton", "full"), ("fp32-triton", "sampled")])
 def test_readme_z_loss_is_one_line_and_passes_the_ce_parity(path, softmax):
-    """A z-loss made as the README's one-line edit of training_loss, no kernel touched: loss, dx and dW
+    """A z-loss made as the docs/loss_terms.md's one-line edit of training_loss, no kernel touched: loss, dx and dW
     of the fp8 path (e4m3 logits, e5m2 gradient, portable and Triton) and of the non-fp8 kernel
     against the model's definition with the same line. Under the full softmax, rows 6 and 7 carry no
     CE term (their targets skipped, no prefix), so their dx is the z-loss's alone."""

@@ -214,6 +214,51 @@ def test_one_process_pulls_and_pushes():
     check_push([result], 1)
 
 
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_one_process_playing_two_ranks_pushes_their_sums_in_rank_order(placement):
+    """One process, two lanes (virtual ranks 0 and 1, RowPlan.lane): each event's merged rows and
+    the updated table are bitwise the brute-force reference of 2 ranks (each rank's cycle in step
+    order, then the ranks in order), with the table on the device or in host memory."""
+    from perf.host_table import HostRows
+    exchange = RowExchange(ROWS, 0, 1, "cpu", lanes=2)
+    mgr = OptimizerManager(StandInParams.small(seed=0).named_parameters(), SCHEDULE, local_ranks=2)
+    shard = full_table().clone()
+    if placement == "host":
+        shard = HostRows(ROWS, DIM, torch.bfloat16, "cpu")
+        shard.data.copy_(full_table())
+    opt = NgramRowOptimizer(shard, ROWS, mgr, exchange)
+    pushed, push = [], exchange.push
+
+    def recording_push(held, dim):
+        rows, sums = push(held, dim)
+        pushed.append((rows, sums))
+        return rows, sums
+
+    exchange.push = recording_push
+    for step in PUSH_STEPS:
+        for lane in range(2):
+            ids, grads = step_grads(lane, step)
+            opt.accumulate(exchange.plan(ids, lane), grads)
+        opt.step(step)
+    reference, sums = reference_push(2)
+    for (rows, got), want in zip(pushed, sums):
+        assert rows.tolist() == sorted(want)
+        assert all(torch.equal(got[k], want[i]) for k, i in enumerate(sorted(want)))
+    table = shard.host_tensor() if placement == "host" else shard
+    assert torch.equal(table, reference), f"{(table != reference).sum().item()} entries differ"
+    # the old single-lane order (both ranks' steps interleaved in one cycle) does not give these sums
+    interleaved = RowExchange(ROWS, 0, 1, "cpu")
+    held = []
+    for step in range(16, 18):
+        for lane in range(2):
+            ids, grads = step_grads(lane, step)
+            plan = interleaved.plan(ids)
+            merged = torch.zeros(plan.unique.size, DIM).index_add_(0, plan.inverse_dev, grads.float())
+            held.append((plan, merged))
+    _, mixed = interleaved.push(held, DIM)
+    assert not torch.equal(mixed, pushed[0][1])
+
+
 def test_close_stops_the_prep_thread_and_plans_still_match():
     """A plan prepared ahead on the prep thread equals the plan made in place (np.unique as the
     reference); close() stops the thread, and a later plan still works."""

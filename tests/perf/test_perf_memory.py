@@ -118,6 +118,27 @@ def test_dev_on_one_gpu_fits_80_gb():
     assert r.peak_bytes <= 80 * GB
 
 
+def test_record_on_one_gpu_fits_40_gib_with_the_table_in_host_memory():
+    """The record's recipe in 1 process (8 virtual ranks): the 121.03 GiB table does not fit an H100,
+    so `ngram_table=auto` puts it in host memory; the device keeps 8 lanes of the per-rank gradients
+    and fp8 scales (optim/lanes.py). Measured: static 9.4 GiB, peak estimate 35.9 GiB; host 127.4 GiB."""
+    r = memory_report(RUN_PRESETS["record"], 1)
+    host = {i.name: i.bytes for i in r.static if i.where == "host"}
+    device = {i.name: i.bytes for i in r.static if i.where == "device"}
+    assert host["n-gram table shard"] == 84_602_880 * 768 * 2 and "n-gram table shard" not in device
+    V, D = 50304, 768
+    # by hand: lm_head [768, V] and embed [V, 768] bf16 .grads, the fp16 value_embeds cycle buffer
+    # (4 planes plus the padding rows the model allocates), the small Adam parameters, 4 fp32 [11-slot] states
+    small = sum(p.numel() * p.element_size() for n, p in r.rank.model.named_parameters()
+                if n not in ("lm_head.weight", "embed.weight", "value_embeds") and not n.endswith("_bank")
+                or n == "ve_gate_bank")
+    cycle = r.rank.model.value_embeds.numel() * 2
+    slots = r.rank.model.mlp_fp8.post_amax.numel()
+    assert device["virtual-rank lanes"] == 8 * (2 * V * D * 2 + cycle + small + 4 * slots * 4)
+    assert r.peak_bytes <= 40 * GIB
+    assert sum(host.values()) < 130 * GIB
+
+
 def test_nothing_wider_than_2_bytes_is_saved_at_tokens_by_classes():
     """No tensor saved for the backward in training at [T, >= N] (N the sampled-softmax width P, or V)
     is wider than 2 bytes per element (the issue's bound), and the one there is the e4m3 logits at 1

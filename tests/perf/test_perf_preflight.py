@@ -124,6 +124,13 @@ def test_check_tiktoken_disk_ram_compiler():
     assert pf.check_ram(128 * 2**30).status == pf.PASS
     assert pf.check_ram(48 * 2**30).status == pf.WARN
     assert pf.check_ram(16 * 2**30).status == pf.FAIL
+    table = 84_602_880 * 768 * 2  # the record's whole table, 121.03 GiB
+    assert pf.check_host_table("device", table, 8 * 2**30, 0).status == pf.PASS
+    assert pf.check_host_table("host", table, 200 * 2**30, None).status == pf.PASS
+    row = pf.check_host_table("host", table, 128 * 2**30, None)  # 121.03 + 16 margin > 128
+    assert row.status == pf.FAIL and "needs 137.0 GiB (121.03 table + 16 margin), available: 128.0 GiB" in row.detail
+    row = pf.check_host_table("host", table, 200 * 2**30, 64 * 2**20)
+    assert row.status == pf.WARN and "locked-memory limit 64 MiB" in row.detail
     assert pf.check_compiler("/usr/bin/cc", "/usr/include/python3.12", True).status == pf.PASS
     row = pf.check_compiler(None, "/usr/include/python3.12", False)
     assert row.status == pf.FAIL and "C compiler" in row.detail and "Python.h" in row.detail

@@ -1,6 +1,7 @@
 """The records report: statistics against hand-computed numbers, grouping, bad lines, the plot."""
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -92,17 +93,18 @@ def test_group_by_label_and_unknown_baseline(tmp_path, capsys):
 
 def test_tokens_per_second_and_mfu_are_means_of_the_runs_that_logged_them(tmp_path, capsys):
     runs = tmp_path / "runs.jsonl"
-    rows = [{"tokens_per_s": 8.0e6, "mfu": 0.30}, {"tokens_per_s": 9.0e6, "mfu": 0.40}, {"tokens_per_s": 1.0e6},
-            {}]  # a CPU run (no MFU) and an older line (neither)
+    rows = [{"tokens_per_s": 8.0e6, "mfu": 0.30, "peak_fraction": 0.20}, {"tokens_per_s": 9.0e6, "mfu": 0.40},
+            {"tokens_per_s": 1.0e6}, {}]  # a run without a peak fraction, a CPU run (no MFU) and an older line
     with open(runs, "w") as f:
         for i, (label, extra) in enumerate(zip(["gpu", "gpu", "cpu", "old"], rows)):
             f.write(json.dumps({"run_id": str(i), "label": label, "status": "finished", "val_loss": 3.27,
                                 "train_time_ms": 40000, **extra}) + "\n")
     assert report.main(["--runs", str(runs), "--group-by", "label"]) == 0
-    cells = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")][-2:]
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")][-3:]
              for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line}
-    assert cells["label"] == ["tokens/s", "MFU"]
-    assert cells["gpu"] == ["8,500,000", "35.0%"] and cells["cpu"] == ["1,000,000", "-"] and cells["old"] == ["-", "-"]
+    assert cells["label"] == ["tokens/s", "MFU (bf16 peak)", "peak fraction"]
+    assert cells["gpu"] == ["8,500,000", "35.0%", "20.0%"] and cells["cpu"] == ["1,000,000", "-", "-"]
+    assert cells["old"] == ["-", "-", "-"]
 
 
 def test_plot_writes_png_with_loss_curves(tmp_path, monkeypatch):
@@ -146,3 +148,16 @@ def test_without_scipy_and_matplotlib_it_still_prints(tmp_path, capsys, monkeypa
     # t = (3.28 - 3.271) / (0.001 / sqrt(3)) = 15.59 by hand
     assert "| smoke | 3 | 1.100 ± 0.100 | 3.27100 ± 0.00100 | 15.59 | 2 | needs scipy |" in captured.out
     assert not (tmp_path / "p.png").exists()
+
+
+def test_evaluation_lines_are_not_counted_as_runs(tmp_path, capsys):
+    """evaluate.py appends a `kind: evaluation` line (a checkpoint's task scores) under the run's id."""
+    runs = tmp_path / "runs.jsonl"
+    _write_runs(runs, {"record": ([3.279, 3.277], [40.0, 41.0])})
+    with open(runs, "a") as f:
+        f.write(json.dumps({"run_id": "record-0", "kind": "evaluation", "status": "finished",
+                            "tasks": {"hellaswag": {"items": 10042, "acc": 0.29, "acc_norm": 0.31}}}) + "\n")
+    assert report.main(["--runs", str(runs)]) == 0
+    out, err = capsys.readouterr()
+    assert "not finished" not in err
+    assert re.search(r"^\| record \| 2 \|", out, re.M), out

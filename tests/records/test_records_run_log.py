@@ -1,7 +1,7 @@
 """The run log: full source capture, git and environment header, upstream line formats."""
 import pytest
 
-from records.run_log import (REPO_ROOT, RunLog, format_peak_memory_line, format_step_line,
+from records.run_log import (_STEP_RE, REPO_ROOT, RunLog, format_peak_memory_line, format_step_line,
                              format_val_line, parse_log)
 
 
@@ -31,6 +31,10 @@ def test_log_holds_every_project_py_file_and_parses_back(tmp_path):
 def test_line_formats_match_upstream_text():
     # Hand-written strings in the upstream formats (record #360 §5).
     assert format_step_line(25, 1194, 437.6) == "step:25/1194 train_time:438ms step_avg:17.50ms"
+    # ours appends tokens/s, the standard MFU and the peak fraction; the parser still reads the line
+    ours = format_step_line(25, 1194, 437.6, 8.0e6, 0.312, 0.201)
+    assert ours == "step:25/1194 train_time:438ms step_avg:17.50ms tokens/s:8000000 mfu:31.2% peak_fraction:20.1%"
+    assert _STEP_RE.match(ours).groups() == ("25", "1194", "438", "17.50")
     assert format_val_line(1194, 1194, 3.27741, 39846.2) == \
         "step:1194/1194 val_loss:3.2774 train_time:39846ms step_avg:33.37ms"
     assert format_peak_memory_line(53424, 65224) == "peak memory allocated: 53424 MiB reserved: 65224 MiB"

@@ -2,7 +2,7 @@
 group, the model or any batch exists, prints one `train_gpt.py: error: ...` line per problem naming
 the flag or variable, exits 2 without a traceback, and leaves one `failed` runs.jsonl line.
 
-The README's "Bad input" table lists the same cases."""
+docs/bad_input.md's table lists the same cases."""
 import json
 import os
 import subprocess
@@ -45,7 +45,19 @@ def other_preset_checkpoint(tmp_path_factory):
     return folder
 
 
-def _bad_inputs(shards: Path, tmp: Path, checkpoint: Path):
+@pytest.fixture(scope="module")
+def gap_checkpoint(tmp_path_factory):
+    """A smoke checkpoint saved by 2 ranks whose rank1.pt is gone (half the n-gram rows in no file)."""
+    folder = tmp_path_factory.mktemp("ckpt") / "state_step000004"
+    folder.mkdir()
+    half = SMOKE.model.ngram_rows // 2
+    torch.save({"step": 4, "config": asdict(SMOKE), "world_size": 2, "model": {}, "code": ""}, folder / "model.pt")
+    torch.save({"step": 4, "ngram_lo": 0, "ngram_hi": half,
+                "ngram_rows": torch.zeros(half, SMOKE.model.model_dim, dtype=torch.bfloat16)}, folder / "rank0.pt")
+    return folder
+
+
+def _bad_inputs(shards: Path, tmp: Path, checkpoint: Path, gap: Path = Path("gap")):
     """(case, extra argv, extra env, [the message each expected line holds]); the test makes tmp/a_file
     and tmp/empty/."""
     a_file, empty = tmp / "a_file", tmp / "empty"
@@ -94,6 +106,9 @@ def _bad_inputs(shards: Path, tmp: Path, checkpoint: Path):
          ["no model.pt there"]),
         ("a checkpoint of another preset", [*data, "--eval-checkpoint", str(checkpoint)], {},
          ["saved by a --config dev run whose model differs from --config smoke's (head_dim, mlp_hidden_dim, model_dim, "]),
+        ("a checkpoint missing a rank file", [*data, "--eval-checkpoint", str(gap)], {},
+         [f"--eval-checkpoint {gap / 'rank1.pt'}: missing; model.pt says 2 rank(s) saved this checkpoint, so n-gram "
+          "rows [8,192, 16,384) are in no file"]),
         ("a --set of an unknown field", [*data, "--set", "optim.anvil_lrr=0.02"], {},
          ["--set optim.anvil_lrr=0.02: OptimConfig has no field 'anvil_lrr' (did you mean anvil_lr?)"]),
         ("a --set of the wrong type", [*data, "--set", "model.mlp_hidden_dim=wide"], {},
@@ -114,8 +129,10 @@ CASES = [case[0] for case in _bad_inputs(Path("shards"), Path("tmp"), Path("chec
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_is_refused_before_the_run(case, shards, other_preset_checkpoint, tmp_path, monkeypatch, capsys):
-    (name, argv, env, expected), = [c for c in _bad_inputs(shards, tmp_path, other_preset_checkpoint) if c[0] == case]
+def test_bad_input_is_refused_before_the_run(case, shards, other_preset_checkpoint, gap_checkpoint, tmp_path,
+                                             monkeypatch, capsys):
+    (name, argv, env, expected), = [c for c in _bad_inputs(shards, tmp_path, other_preset_checkpoint, gap_checkpoint)
+                                    if c[0] == case]
     (tmp_path / "a_file").write_text("not a folder")
     (tmp_path / "empty").mkdir()
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):

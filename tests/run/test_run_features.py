@@ -271,8 +271,11 @@ def test_tools_show_the_switches(capsys):
 def test_an_evaluation_refuses_a_checkpoint_saved_with_other_switches(tmp_path):
     folder = tmp_path / "state_step000001"
     folder.mkdir()
-    torch.save({"config": dataclasses.asdict(SMOKE)}, folder / "model.pt")
-    torch.save({}, folder / "rank0.pt")
+    rows = SMOKE.model.ngram_rows
+    torch.save({"step": 1, "config": dataclasses.asdict(SMOKE), "world_size": 1, "model": {}, "code": ""},
+               folder / "model.pt")
+    torch.save({"step": 1, "ngram_lo": 0, "ngram_hi": rows, "ngram_rows": torch.zeros(rows, SMOKE.model.model_dim)},
+               folder / "rank0.pt")
     assert checkpoint_problems(SMOKE, folder) == []
     (line,) = checkpoint_problems(dataclasses.replace(SMOKE, features=_only_off("ngram")), folder)
     assert "saved by a run with other feature switches (features.ngram=true)" in line

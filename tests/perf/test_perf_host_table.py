@@ -1,0 +1,61 @@
+"""The n-gram table in host memory (perf/host_table.py): the same rows and updates as on the device.
+
+HostRows against plain tensor indexing (gathers after write-backs see them: one worker thread,
+submission order); a smoke run with the table in host memory trains bitwise like one with it on
+the device, across table events; the placement rule of `ngram_table=auto`.
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt
+from perf.host_table import HostRows, choose_placement
+from tests.run.test_run_train import shards  # noqa: F401 (the tokenized text, a fixture)
+
+
+def test_gathers_and_write_backs_follow_submission_order():
+    g = torch.Generator().manual_seed(0)
+    reference = torch.randn(64, 8, generator=g).bfloat16()
+    table = HostRows(64, 8, torch.bfloat16, "cpu")
+    table.data.copy_(reference)
+    try:
+        for trial in range(20):
+            index = np.unique(torch.randint(0, 64, (12,), generator=g).numpy())
+            assert torch.equal(table.gather(index), reference[torch.from_numpy(index)])
+            values = torch.randn(index.size, 8, generator=g).bfloat16()
+            table.scatter(index, values)          # written back on the thread ...
+            values.zero_()                        # ... from its own copy: the caller may reuse its tensor
+            reference[torch.from_numpy(index)] = table.gather(index)  # ... before this gather reads them
+            pending = [table.start_gather(np.arange(64)) for _ in range(3)]
+            assert all(torch.equal(p.result(), reference) for p in pending)
+        assert torch.equal(table.host_tensor(), reference)
+        with pytest.raises(ValueError, match=r"HostRows.scatter: values must be torch.bfloat16 \[2, 8\]"):
+            table.scatter(np.array([0, 1]), torch.zeros(2, 8))
+    finally:
+        table.close()
+
+
+def test_auto_placement_keeps_a_cpu_table_on_the_device_and_honours_a_setting():
+    assert choose_placement("auto", 10**12, torch.device("cpu"))[0] == "device"
+    assert choose_placement("host", 1, torch.device("cpu")) == ("host", "ngram_table=host (set)")
+    with pytest.raises(ValueError, match="ngram_table='disk'"):
+        choose_placement("disk", 1, torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_a_host_table_trains_bitwise_like_a_device_table(tmp_path, shards):
+    """6 smoke steps (3 table events: every 2nd step before the 4-step cadence) and the validation."""
+    entries = {}
+    for placement in ("device", "host"):
+        records = tmp_path / placement
+        train_gpt.main(["--config", "smoke", "--data-path", str(shards), "--no-warmup", "--val-every", "0",
+                        "--val-tokens", "2048", "--seed", "0", "--max-steps", "6", "--log-train-loss",
+                        "--set", f"ngram_table={placement}", "--records-dir", str(records)])
+        (line,) = (records / "runs.jsonl").read_text().splitlines()
+        entries[placement] = json.loads(line)
+        log = open(entries[placement]["log_path"]).read()
+        assert f"n-gram table: {placement} memory (ngram_table={placement} (set))" in log
+    assert entries["host"]["train_losses"] == entries["device"]["train_losses"]
+    assert entries["host"]["val_loss"] == entries["device"]["val_loss"]
