@@ -47,7 +47,7 @@ def test_tokenize_help_as_script_and_module(tmp_path):
         assert "one document per file" in text
 
 
-def test_tokenize_shakespeare_as_script_gives_tiktokens_tokens(tmp_path, tiny_shakespeare_path, gpt2_bpe):
+def test_tokenize_shakespeare_as_script_gives_tiktokens_tokens(tmp_path, gpt2_bpe, tiny_shakespeare_path):
     text = tiny_shakespeare_path.read_text(encoding="utf-8")
     # Independent split: a regex on blank-line runs (the script groups lines).
     docs = [d.rstrip("\n") for d in re.split(r"\n(?:[ \t]*\n)+", text) if d.strip()]
