@@ -230,7 +230,9 @@ def test_smoke_run_on_two_ranks_learns(smoke_run):
     print(f"smoke: untrained val loss {untrained:.4f}, final {final:.4f}, train time {entry['train_time_ms'] / 1000:.1f} s")
     assert vals[0][0] == 0 and vals[-1][0] == 70
     assert untrained == pytest.approx(torch.log(torch.tensor(50304.0)).item(), abs=0.05)  # uniform at init
-    assert final <= untrained - 1.5
+    # issue 34: on the embedded corpus the whole schedule ends at least 2 nats below ln 50304 (6.60 measured
+    # over 32,768 tokens; its entropy rate, the floor, is 2.72)
+    assert final <= untrained - 2.0
     assert "step:70/70 val_loss:" in out
     # torch 2.13 warns at every call of a deprecated collective name (perf/collectives.py picks the current ones)
     assert "FutureWarning" not in out and "DeprecationWarning" not in out, out
