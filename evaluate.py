@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from cli import ArgumentParser, exit_on_config_error
 from config import (ConfigError, FeatureConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig,
                     StageConfig)
-from config_check import ArgumentParser, exit_on_config_error
 from data.loader import Batch, attention_segment_ends, cu_seqlens_rows, padded_cu_seqlens
 from data.ngram import ngram_row_ids, ngram_sign_rows
 from data.shards import BOS_ID

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from cli import ArgumentParser, apply_overrides, exit_on_config_error
 from config import RUN_PRESETS, ConfigError, RunConfig, features_line
-from config_check import (ArgumentParser, apply_overrides, check_run, exit_on_config_error, records_folder,
-                          records_folder_problems, shard_globs)
+from config_check import check_run, records_folder, records_folder_problems, shard_globs
 from data.loader import TrainLoader
 from model.canonical_mask import CanonicalMaskBuild
 from model.prefix import STORED_TABLE, build_prefix_table, build_prefix_table_sharded, gpt2_bpe_available
@@ -40,6 +40,7 @@ from optim.tail_average import TailAverages
 from perf.collectives import named_timeouts
 from perf.compile import compiled_graphs
 from perf.cost import RunCost, device_peak, schedule_cost
+from perf.preflight import check_node
 from perf.sync_check import host_side, sync_check
 from records.run_log import format_peak_memory_line, format_step_line, format_val_line
 from records.run_record import RunRecorder, check_finite
@@ -240,7 +241,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
             contextlib.ExitStack() as guards:
         log = rec.log
         setup = Setup(cfg)
-        setup.check(cfg)
+        check_node(cfg, setup.backend)  # the record's node checks (perf/preflight.py)
         train_glob, val_glob = shard_globs(cfg)
         setup.init_process_group(cfg.collective_timeout_s)
         log.print0(f"config {cfg.name}: {setup.world_size} process(es) × {setup.accum} accumulation step(s) "

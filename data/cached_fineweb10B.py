@@ -32,7 +32,7 @@ from pathlib import Path  # noqa: E402
 
 from data.shards import ShardError, read_shard, shard_num_tokens  # noqa: E402
 
-REPO_ID = "kjj0/fineweb10B-gpt2"  # the record's data source (record #89 §7.1)
+REPO_ID = "kjj0/fineweb10B-gpt2"  # the record's data source (record #89's README and train_gpt.py)
 NUM_TRAIN_SHARDS = 103  # fineweb_train_000001 .. 000103: the full FineWeb10B (upstream data/cached_fineweb10B.py)
 DEFAULT_DIR = Path(__file__).resolve().parent / "fineweb10B"
 

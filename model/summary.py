@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from cli import parse_preset_args
 from config import RUN_PRESETS, FeatureConfig, ModelConfig
-from config_check import parse_preset_args
 from model.gpt import GPT
 
-# Optimizer of each parameter in record #360 (modules §10.2): ANVIL on the three banks, Adam on the rest.
+# Optimizer of each parameter in record #360 (track_1_short/training.py): ANVIL on the three banks, Adam on the rest.
 OPTIMIZER_GROUPS = {
     "qk_bank": "anvil", "vo_bank": "anvil", "mlp_bank": "anvil",
     "value_embeds": "adam (row-sparse)", "lm_head.weight": "adam (sharded)", "embed.weight": "adam (sharded)",

@@ -1,5 +1,5 @@
 """The optimizer of a run: every model parameter's update, sharded over ranks, with the
-communication order of record #360 (record_360.md §3, §7; modules §10).
+communication order of record #360 (track_1_short/training.py, track_1_short/optim/anvil.py).
 
     manager = OptimizerManager(model.named_parameters(), TrainingSchedule(sched_cfg), OptimConfig())
     for step in range(schedule.total_steps):
@@ -62,7 +62,7 @@ from perf.kernels.transpose import transpose_add_, transpose_into
 from perf.pinned_batches import PinnedStaging
 
 
-# record #360 (§7): launch the big bank reduce-scatters first; update the small parameters while
+# record #360 (track_1_short/training.py): launch the big bank reduce-scatters first; update the small parameters while
 # they are in flight; the mlp bank (largest gather) last. Replicated params go in phase 0.
 SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", VALUE_EMBEDS, LM_HEAD, EMBED)
 WORK_ORDER = ("qk_bank", "vo_bank", LM_HEAD, EMBED, VALUE_EMBEDS, "mlp_bank")
@@ -192,8 +192,9 @@ class OptimizerManager:
         frozen_matrices: bank name -> matrix indices (of the [matrices, rows, cols] view) that get
         lr 0 and so never move. Without it, a bank's own `frozen_matrices` attribute is used (the
         record model marks mlp slot 7, layer 7 having no MLP: matrices 14 and 15).
-        layout: (rank, world_size) to shard for instead of the process group's, for sizing the
-        states without one (perf/memory.py); such a manager must not step.
+        layout: (rank, world_size) to shard for instead of the process group's, for a rank without
+        one: a training.Run on "meta", as the tools model a rank (perf/meta_rank.py), whose
+        collectives they replace.
         keep_grads: zero the consumed gradients in place instead of releasing them (`p.grad = None`),
         so the next backward accumulates into the same storage: what a captured backward and update
         need (training.Run). The values are bitwise the same (x + 0 is x).
@@ -652,8 +653,8 @@ class OptimizerManager:
 # --- the n-gram table -----------------------------------------------------------------------------
 
 class NgramRowOptimizer:
-    """Row-sparse Adam of the n-gram table on this rank's contiguous row shard (record #360,
-    modules §4.4-4.5), with no host sync on the device side.
+    """Row-sparse Adam of the n-gram table on this rank's contiguous row shard (record #360:
+    track_1_short/ngram_table.py), with no host sync on the device side.
 
     Each step's sink gradient (2T, D) is merged per distinct row with its pull plan's inverse
     (fp32 index_add_ from zero, in position order) and held with the plan. At a table event

@@ -1,6 +1,6 @@
 """The n-gram table's row exchange, planned on the host: which rank asks which rows of whom, so
 that the device only moves exactly the requested rows, with sizes it never has to read back
-(record #360, modules §4.5 "RowOwners"; upstream track_1_short plans the same way).
+(record #360: RowOwners in track_1_short/sharded_rows.py plans the same way).
 
 The table (record: 84,602,880 rows of 768 bf16) is split into contiguous equal per-rank ranges,
 rank r owning [r·R, (r+1)·R) with R = num_rows // W (model/embeddings.py `ngram_shard_range`).
@@ -150,7 +150,9 @@ class RowExchange:
     a CPU (gloo) process group for the host metadata. Default: on world_size > 1 with a non-gloo
     default backend (NCCL), a new gloo group (a collective: every rank constructs its exchange at
     the same point); on a gloo default backend, the default group. The rows themselves travel on
-    the default group. world_size == 1 needs no torch.distributed at all."""
+    the default group. world_size == 1 needs no torch.distributed at all, and neither does an
+    exchange on "meta" (a rank the tools model, perf/meta_rank.py: its collectives go to whatever
+    torch.distributed is then, a tool's stand-in)."""
 
     def __init__(self, num_rows: int, rank: int, world_size: int, device, group=None, lanes: int = 1):
         if lanes < 1:
@@ -165,7 +167,7 @@ class RowExchange:
         self.lo, self.hi = rank * self.rows_per_rank, (rank + 1) * self.rows_per_rank
         self.device = torch.device(device)
         self.starts = np.arange(world_size + 1, dtype=np.int64) * self.rows_per_rank  # owner o: [starts[o], starts[o+1])
-        if world_size > 1:
+        if world_size > 1 and self.device.type != "meta":
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError(f"RowExchange: world_size={world_size} needs an initialized process group")
             if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):

@@ -8,7 +8,7 @@ padded with T) marks their starts. A query sees the keys of its own segment at d
 positions. q/k and v may have different head widths (64/128 on the narrow layers).
 
 `varlen_attention` runs the backend `perf.backend.current().attention` names (SPEEDRUN_ATTENTION):
-  fa3   the record's patched FA3 build (record #360 §2.7), pinned to a revision and sha256-checked
+  fa3   the record's patched FA3 build (record #360's model/attention.py), pinned to a revision and sha256-checked
         before first use: from SPEEDRUN_FA3_DIR (a local copy), else via `kernels` from the hub cache
         or, the first time, the Hugging Face Hub (see the FA3 section for the three sources).
   flex  torch's flex_attention with a block mask built from cu_seqlens and the window (compiled on
@@ -176,7 +176,7 @@ def flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w
 #                             (add --cache-dir "$KERNELS_CACHE" when that is set), then run with HF_HUB_OFFLINE=1.
 #   3. the hub                the pinned revision, downloaded by `get_kernel` on first use.
 
-FA3_REPO = "devenpzak/flash-attn3-12864"  # record #360 §2.7: takes (64, 128) and (128, 64) q/k vs v widths
+FA3_REPO = "devenpzak/flash-attn3-12864"  # record #360's FA3: takes (64, 128) and (128, 64) q/k vs v widths
 FA3_REVISION = "64c1e6d1f2780e7931839f41426ddcdb564a7cb9"  # record #360: the pinned commit
 FA3_BINARY_SHA256 = "9beee90dbef9c9c221e677dad9f932108b70c46aa35841fc0862281d5b84c09b"  # record #360
 FA3_BINARY_GLOB = "_flash_attn3_cuda_*.so"  # record #360: the file the hash is taken of
@@ -373,7 +373,7 @@ def check_fa3_compilable(fa3=None, device: str = "cuda") -> None:
 
 def fa3_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
                          softmax_scale: float, paired: bool = False, max_seqlen: int | None = None) -> Tensor:
-    """`sdpa_varlen_attention` through FA3 varlen (record #360 §2.7). max_seqlen: the longest segment in
+    """`sdpa_varlen_attention` through FA3 varlen (record #360's model/attention.py). max_seqlen: the longest segment in
     tokens (the record passes its configured maximum); None reads it from cu_seqlens (a host sync)."""
     T, H, _ = q.shape
     _check_segments(cu_seqlens, T)

@@ -1,6 +1,6 @@
 """Which execution path runs: the portable twin (plain PyTorch) or the fast path (Triton, FA3, compile).
 
-One algorithm, two paths (DESIGN.md). Every fast op has a portable twin with the same signature;
+One algorithm, two paths (docs/design.md). Every fast op has a portable twin with the same signature;
 the op's public function asks `current()` which one to call. The choice comes from the hardware and
 can be overridden with environment variables (read once, at first use):
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, w
 
 import numpy as np  # noqa: E402
 
-from config_check import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
+from cli import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from data.loader import TrainLoader, attention_segment_ends, document_spans  # noqa: E402
 from data.ngram import ngram_row_ids, ngram_sign_rows  # noqa: E402
 from data.shards import BOS_ID, read_shard, write_shard  # noqa: E402
@@ -41,8 +41,8 @@ def summary(times_s: list[float]) -> str:
 
 def main(argv=None):
     parser = ArgumentParser(prog="python -m perf.bench_loader", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens-per-rank", type=positive_int, default=49152, help="stage 2 (record #360 §6.2)")
-    parser.add_argument("--doc-cap", type=positive_int, default=3072, help="stage 2 doc cap (record #360 §6.2)")
+    parser.add_argument("--tokens-per-rank", type=positive_int, default=49152, help="stage 2 (record #360's config.py)")
+    parser.add_argument("--doc-cap", type=positive_int, default=3072, help="stage 2 doc cap (record #360's config.py)")
     parser.add_argument("--world-size", type=positive_int, default=8)
     parser.add_argument("--steps", type=positive_int, default=40)
     parser.add_argument("--shard-tokens", type=positive_int, default=40_000_000)

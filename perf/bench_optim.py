@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from cli import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from config import SCHEDULE_PRESETS, OptimConfig  # noqa: E402
-from config_check import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from optim.anvil import ANVIL_MAPS, cascade_flops  # noqa: E402
 from optim.manager import OptimizerManager  # noqa: E402
 from optim.normuon import POLAR_EXPRESS_MAPS  # noqa: E402

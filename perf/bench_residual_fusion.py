@@ -13,8 +13,8 @@ import time
 import torch
 from tqdm import tqdm
 
+from cli import ArgumentParser, exit_on_config_error, non_negative_int, positive_int
 from config import MODEL_PRESETS
-from config_check import ArgumentParser, exit_on_config_error, non_negative_int, positive_int
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
 

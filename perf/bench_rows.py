@@ -40,8 +40,8 @@ if (SHARED / "tiktoken_cache").is_dir():
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from cli import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from config import ConfigError, ModelConfig  # noqa: E402
-from config_check import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from data.ngram import ngram_row_ids  # noqa: E402
 from optim.row_exchange import RowPlan, plan_push, split_requests  # noqa: E402
 

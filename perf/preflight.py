@@ -13,8 +13,8 @@ fix under every FAIL/WARN; the exit status is 1 on any FAIL.
 Every check is a small pure decision function over a probe's raw answer (`check_torch(version,
 cuda)`, `check_gpus(nvidia_smi_csv, ...)`, ...), so the tests feed fake answers; the probes are thin.
 The raw answers go to `<records_dir>/logs/environment.txt` (the node as found), written atomically.
-`cheap_checks(cfg)` + `raise_on_fail(rows)` are what the record preset runs before the clock: no
-kernel launch, no process group, no download. Presets other than the record turn the record-only
+`check_node(cfg, backend)` (`cheap_checks(cfg)` + `raise_on_fail(rows)`) is what the record preset
+runs before the clock: no kernel launch, no process group, no download. Presets other than the record turn the record-only
 FAILs (exact torch, 8 GPUs, SM90, driver, CUDA 13 runtime, FA3, host RAM) into WARNs, and presets
 that may run on the CPU (smoke) also the Triton launch and NCCL.
 
@@ -611,6 +611,19 @@ def cheap_checks(cfg) -> list[Row]:
     return run_checks(cfg, full=False)
 
 
+def check_node(cfg, backend) -> None:
+    """The record's node checks, before a run builds anything (train_gpt.py; perf/cuda_graphs/
+    contract.py's build_run): a record run never falls back to a slower path
+    (`assert_record_backends`), and any FAIL of the cheap checks (the node's stack, GPUs, driver,
+    CUDA 13 runtime, data, BPE files, disk, RAM, compiler) stops it. Nothing for a preset that does
+    not require the fast path; the configuration itself was checked up front (config_check.py)."""
+    if cfg.requires_fast_path:
+        from perf.attention_backends import assert_record_backends
+
+        assert_record_backends(backend)
+        raise_on_fail(cheap_checks(cfg))
+
+
 def raise_on_fail(rows: list[Row]) -> None:
     """Raise one RuntimeError listing every FAIL with its fix."""
     failed = [r for r in rows if r.status == FAIL]
@@ -642,8 +655,9 @@ def write_environment(path: Path, raw: dict, rows: list[Row]) -> Path:
 
 
 def main(argv=None) -> int:
+    from cli import ArgumentParser, exit_on_config_error
     from config import RUN_PRESETS, ConfigError
-    from config_check import ArgumentParser, exit_on_config_error, records_folder_problems
+    from config_check import records_folder_problems
 
     with exit_on_config_error("python -m perf.preflight"):
         ap = ArgumentParser(prog="python -m perf.preflight", description=__doc__.split("\n\n")[0])

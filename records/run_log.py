@@ -33,7 +33,7 @@ ENV_RULE = "=" * 100  # record #360 run_log: 100 '=' around the environment head
 SKIPPED_DIRS = {"__pycache__", "logs", "fineweb10B"}  # run outputs and data, not source
 
 # ------------------------------------------------------------------------------------------------
-# The upstream line formats (record #360 §5). Writers and parsers sit side by side so they agree.
+# The upstream line formats (record #360: track_1_short/run_log.py). Writers and parsers sit side by side so they agree.
 # ------------------------------------------------------------------------------------------------
 
 

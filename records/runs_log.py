@@ -1,7 +1,7 @@
 """The append-only records log `records/runs.jsonl`: one JSON object per run, one line each.
 
 Every run that started appends exactly one line when it ends: finished, failed or interrupted.
-Fields (DESIGN.md "Logs and records"): run_id, started (ISO time), config, label, world_size,
+Fields (docs/records.md, "Logs and records"): run_id, started (ISO time), config, label, world_size,
 device, git_commit, git_dirty, steps, train_time_ms, val_loss, peak_memory_allocated_mib,
 peak_memory_reserved_mib, status, error, log_path; tokens_per_s (global tokens over the timed
 training), mfu (perf.cost.RunCost: the model's FLOPs over the time at the device's bf16 dense peak,

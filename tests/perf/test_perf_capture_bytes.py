@@ -89,7 +89,7 @@ def smoke_cost():
     """Smoke's first 6 steps on one process: the keys its twin captures (test_perf_cuda_graphs_capture)."""
     from config import RUN_PRESETS
     from perf.cuda_graphs.cost import capture_check_cost
-    from perf.memory import build_rank_on_meta
+    from perf.meta_rank import build_rank_on_meta
     rank = build_rank_on_meta(RUN_PRESETS["smoke"], 1)
     return rank, capture_check_cost(rank, horizon=6)
 

@@ -53,7 +53,7 @@ def test_attention_pairs_match_a_brute_force_mask(window):
 
 @pytest.fixture(scope="module")
 def smoke_rank():
-    from perf.memory import build_rank_on_meta
+    from perf.meta_rank import build_rank_on_meta
 
     return build_rank_on_meta(RUN_PRESETS["smoke"], 2)
 
@@ -64,7 +64,7 @@ def test_the_smoke_models_gemms_are_6_n_t_of_the_parameters_the_step_uses(smoke_
     of a forward and backward are 6·N·T within 0.5%, at the full softmax and a sampled one: N counts
     the MUDD and gate matrices whole, and the smaller MUDD block and the post gate use fewer rows of
     theirs (measured 0.9985 on smoke, 0.99994 on the record)."""
-    from perf.memory import geometries
+    from perf.meta_rank import geometries
 
     for settings, steps in geometries(smoke_rank.schedule):
         g = cost.geometry_cost(smoke_rank, settings, steps)
@@ -85,7 +85,7 @@ def test_the_smoke_models_gemms_are_6_n_t_of_the_parameters_the_step_uses(smoke_
 def test_the_step_counts_the_triton_kernels_as_kernels(smoke_rank):
     """Under fused_kernels the fp8 CE is one kernel each way, reading the e4m3 logits [T, N] once and
     writing lse (forward) or the e5m2 gradient (backward): its twin's fp32 slabs are not counted."""
-    from perf.memory import geometries
+    from perf.meta_rank import geometries
 
     settings, steps = geometries(smoke_rank.schedule)[0]
     g = cost.geometry_cost(smoke_rank, settings, steps)

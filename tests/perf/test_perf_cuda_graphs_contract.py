@@ -16,7 +16,8 @@ from optim.manager import OptimizerManager
 from optim.normuon import normuon_update
 from optim.schedule import TrainingSchedule
 from perf.cuda_graphs import contract
-from perf.cuda_graphs.contract import ContractChecker, module_state, optimizer_state
+from perf.cuda_graphs.contract import ContractChecker
+from perf.cuda_graphs.state import module_state, optimizer_state
 
 TOY_TABLE = {"w_bank": ParamRule("bank", "sharded", "every"),
              "gain": ParamRule("adam", "replicated", "adam", betas=(0.9, 0.99), lr_mul=2.0, wd_mul=3.0)}

@@ -6,8 +6,8 @@ import torch
 
 from config import RUN_PRESETS
 from model.summary import build_on_meta
-from perf.memory import (GIB, LiveStorages, build_rank_on_meta, geometries, main, memory_report, saved_for_backward,
-                         static_items, step_memory)
+from perf.memory import LiveStorages, main, memory_report, saved_for_backward, static_items, step_memory
+from perf.meta_rank import GIB, build_rank_on_meta, geometries
 
 GB = 10 ** 9
 
@@ -197,7 +197,7 @@ def _imports(path) -> set[str]:
 
 
 def test_the_layout_keeps_its_import_rules():
-    """DESIGN "Layout": the model imports neither optim/ nor data/ (the memory report, which builds
+    """docs/design.md, "Import rules": the model imports neither optim/ nor data/ (the memory report, which builds
     the optimizer and the n-gram table, lives in perf/memory.py), and a kernel imports no model file.
     Read from the sources, lazy imports inside functions included."""
     from pathlib import Path

@@ -234,7 +234,7 @@ def test_every_entry_point_refuses_in_one_line(module, argv, message, capsys):
 
 
 def test_set_parses_each_field_by_its_declared_type():
-    from config_check import apply_overrides
+    from cli import apply_overrides
 
     cfg, _ = train_gpt.parse_args(["--config", "smoke", "--set", "optim.anvil_lr=0.02", "--set", "schedule.stages.2.lr_mul=1.5",
                                    "--set", "schedule.stages.0.mtp_start=1,0.5", "--set", "seed=none",
