@@ -322,10 +322,12 @@ RUN_PRESETS = {
     "smoke": RunConfig(
         name="smoke", model=MODEL_PRESETS["smoke"], schedule=SCHEDULE_PRESETS["smoke"],
         optim=OPTIM_PRESETS["smoke"], device="auto", virtual_world_size=2,
-        allowed_world_sizes=(1, 2), requires_fast_path=False, data_path="data/tinyshakespeare",
+        allowed_world_sizes=(1, 2), requires_fast_path=False, data_path="data/synthetic",
         train_pattern="*_train_*.bin", val_pattern="*_val_*.bin",
-        # tinyshakespeare's documents (paragraphs) average ~46 tokens: 1024 per rank fit the
-        # 128-row cu_seqlens table. Validation steps of 2 × 1,024 tokens: the portable attention
+        # data/synthetic: the embedded corpus (data/synthetic.py), written there on first use; real
+        # text with --data-path (docs/data.md). Its documents average 128 tokens (tinyshakespeare's
+        # paragraphs ~46): up to 1,536 per rank fit the 128-row cu_seqlens table either way (data/loader.py).
+        # Validation steps of 2 × 1,024 tokens: the portable attention
         # and the full-vocabulary loss dominate a CPU validation, so a check validates on as few
         # tokens as it likes (--val-tokens 2048); the default keeps 32,768. Validating every 35
         # steps gives the untrained loss at step 0.

@@ -67,18 +67,39 @@ def shard_globs(cfg: RunConfig) -> tuple[str, str]:
     return str(root / cfg.train_pattern), str(root / cfg.val_pattern)
 
 
+def _embedded(cfg: RunConfig) -> bool:
+    """The run reads the embedded corpus's folder (data/synthetic), which is written on first use."""
+    import data.synthetic as synthetic
+
+    return data_folder(cfg).resolve() == synthetic.DEFAULT_DIR
+
+
 def _get_shards_hint(cfg: RunConfig) -> str:
-    return ("python data/cached_fineweb10B.py 9" if "fineweb" in cfg.train_pattern else
-            "python data/tokenize.py YOUR_TEXT... --out DIR, then --data-path DIR")
+    if "fineweb" in cfg.train_pattern or "fineweb" in Path(cfg.data_path).name:
+        # the record reads about 4 train shards of 100M tokens (upstream fetches 8); the smoke run 160k tokens
+        return f"python data/cached_fineweb10B.py {1 if cfg.name == 'smoke' else 9}"
+    if _embedded(cfg):
+        return "python data/synthetic.py --out DIR --train-tokens N, then --data-path DIR"
+    return "python data/tokenize.py YOUR_TEXT... --out DIR, then --data-path DIR"
 
 
 def data_problems(cfg: RunConfig, steps: int | None, schedule, validation: bool = True) -> list[str]:
     """The shard folder exists, its training shards hold the tokens of `steps` steps (None: an
     evaluation, no training data read) and (with `validation`) its validation shards hold
-    cfg.val_tokens."""
+    cfg.val_tokens. The embedded corpus (the smoke preset's data/synthetic) is written here on first
+    use, or rewritten if incomplete (data/synthetic.py: seconds, every rank may call it)."""
     from data.shards import ShardError, shard_num_tokens
 
     root, how = data_folder(cfg), _get_shards_hint(cfg)
+    if _embedded(cfg):
+        import data.synthetic as synthetic
+
+        try:
+            synthetic.ensure_corpus(synthetic.DEFAULT_DIR, progress=os.environ.get("RANK", "0") in ("0", ""))
+        except OSError as e:
+            return [f"--data-path {cfg.data_path}: cannot write the embedded corpus there ({e.strerror or e}: "
+                    f"{e.filename or root}); run `python data/synthetic.py --out DIR` somewhere writable, then "
+                    f"--data-path DIR"]
     if not root.exists():
         return [f"--data-path {cfg.data_path}: no such folder; pass --data-path DIR (or DATA_PATH) holding the "
                 f"shards, or get them with `{how}`"]
@@ -162,7 +183,8 @@ def device_problems(cfg: RunConfig) -> list[str]:
 
 def check_run(cfg: RunConfig, args: argparse.Namespace, env=os.environ) -> None:
     """Raise ConfigError listing every problem of this run's configuration (nothing is touched:
-    no process group, no model, no data read beyond shard headers)."""
+    no process group, no model, no data read beyond shard headers; the one write is the embedded
+    corpus on its first use, see data_problems)."""
     from optim.schedule import TrainingSchedule
     from perf import backend as perf_backend
 

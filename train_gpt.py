@@ -34,7 +34,7 @@ from config import RUN_PRESETS, ConfigError, RunConfig, features_line
 from config_check import check_run, records_folder, records_folder_problems, shard_globs
 from data.loader import TrainLoader
 from model.canonical_mask import CanonicalMaskBuild
-from model.prefix import build_prefix_table, build_prefix_table_sharded, gpt2_encoding
+from model.prefix import STORED_TABLE, build_prefix_table, build_prefix_table_sharded, gpt2_bpe_available
 from optim.schedule import TrainingSchedule
 from optim.tail_average import TailAverages
 from perf.collectives import named_timeouts
@@ -294,7 +294,10 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         mask_build = CanonicalMaskBuild(cfg.model.vocab_size) if cfg.canonical_mask and setup.is_master else None
 
         # the clock
-        gpt2_encoding()  # tiktoken's one-time BPE load (~0.2-0.9 s) off the clock; the prefix table reads it
+        # tiktoken's one-time BPE load (~0.2-0.9 s) off the clock; the prefix table reads it
+        if not gpt2_bpe_available() and cfg.features.prefix_loss:
+            log.print0(f"prefix table: tiktoken has no GPT-2 files here (no cache, no network): read from "
+                       f"{STORED_TABLE.name}, the same table (model/prefix.py)", console=True)
         validation_graphs = 0
         setup.synchronize()
         train_ms, t0 = 0.0, time.perf_counter()

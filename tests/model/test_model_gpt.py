@@ -81,12 +81,12 @@ def test_fused_residuals_equal_the_plain_expressions():
         torch.testing.assert_close(a.grad, b.grad, rtol=2e-3, atol=1e-6, msg=name)
 
 
-def test_capacity_on_a_repeated_text(tiny_shakespeare_path):
-    """A few hundred-ish steps of plain Adam memorise a short text (not the record optimizer)."""
-    import tiktoken
+def test_capacity_on_a_repeated_text():
+    """A hundred steps of plain Adam memorise a short text (not the record optimizer): 49 tokens of
+    the embedded corpus's process (data/synthetic.py) over 300 ids, so it needs no files."""
+    from data.synthetic import SyntheticProcess, SyntheticSpec
 
-    text = tiny_shakespeare_path.read_text()[:400]
-    ids = torch.tensor(tiktoken.get_encoding("gpt2").encode(text))
+    ids = torch.from_numpy(SyntheticProcess(SyntheticSpec(vocab=300)).sample(49, stream=0).astype("int64"))
     _, compact = torch.unique(ids, return_inverse=True)  # a small vocabulary keeps Adam cheap
     T = 48
     cfg = dataclasses.replace(SMOKE, vocab_size=256, ngram_rows=1024)

@@ -99,6 +99,9 @@ def _bad_inputs(shards: Path, tmp: Path, checkpoint: Path, gap: Path = Path("gap
         ("an empty shard folder", ["--data-path", str(empty)], {},
          ["no training shards match *_train_*.bin", "no validation shards match *_val_*.bin"]),
         ("a missing data folder", ["--data-path", str(tmp / "nowhere")], {}, ["no such folder"]),
+        ("FineWeb not downloaded", ["--data-path", str(tmp / "fineweb10B")], {},
+         ["no such folder; pass --data-path DIR (or DATA_PATH) holding the shards, or get them with "
+          "`python data/cached_fineweb10B.py 1`"]),
         ("a checkpoint folder without model.pt", [*data, "--eval-checkpoint", str(empty)], {},
          ["no model.pt there"]),
         ("a checkpoint of another preset", [*data, "--eval-checkpoint", str(checkpoint)], {},
