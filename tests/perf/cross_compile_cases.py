@@ -1,5 +1,6 @@
-"""Functions `python -m perf.cross_compile --function tests/perf/cross_compile_cases.py:NAME` compiles for
-the faked SM90 device: each returns (fn, args), built on that device (fake tensors, shapes only).
+"""Functions `python -m perf.cross_compile --function tests/perf/cross_compile_cases.py:NAME` [--sm SM] compiles
+for the faked GPU (SM90 by default): each returns (fn, args), built on that device (fake tensors,
+shapes only).
 Used by tests/perf/test_perf_cross_compile.py."""
 import torch
 
@@ -29,3 +30,18 @@ def mlp_scaled_mm_slot_view():
     def fn(a, w, scale_a, scale_b, post_lambda):
         return scaled_mm(a, w.t(), scale_a[3], scale_b[5] * post_lambda, torch.bfloat16, True)
     return fn, (*_operands(), torch.ones((), dtype=torch.float32))
+
+
+def flex_attention_recipe_widths():
+    """flex attention, what SM89 and SM80 run for FA3 (perf.backend.detect), at record #360's widths
+    on its paired-head layers (6 heads, d_qk 64, d_v 128; [2T, 3, d] streams), forward and backward:
+    its Triton templates pick their tiles by the GPU's capability and shared memory."""
+    from perf.attention_backends import flex_varlen_attention
+
+    def fn(q, k, v, cu_seqlens):
+        return flex_varlen_attention(q, k, v, cu_seqlens, window=384, softmax_scale=0.12, paired=True)
+
+    T = 1024  # a multiple of flex's 128-position tile, as the run's micro-batches are
+    q, k = (torch.zeros(T, 6, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.zeros(T, 6, 128, dtype=torch.bfloat16, requires_grad=True)
+    return fn, (q, k, v, torch.zeros(8, dtype=torch.int32))

@@ -1,10 +1,13 @@
-"""The SM90 cross-compile (perf/cross_compile.py, perf/fake_sm90.py): what an H100 compiles, built on a CPU.
+"""The cross-compile (perf/cross_compile.py, perf/fake_gpu.py): what an H100, an L40S / RTX 4090 or an
+A100 compiles, built on a CPU.
 
 The slow tests run `python -m perf.cross_compile` in a subprocess (it re-executes itself with the fake
-device's preloaded library): one smoke training geometry forward and backward with Triton, fp8, the
-fused QKV path and the FA3 stand-in, and two single-GEMM graphs that pin the `_scaled_mm` scale-view
-failure inductor met before fp8 GEMMs became an opaque op. The fast tests check the graph plan, the
-report parsing and the FA3 start-up check (on the CPU, with fake tensors).
+device's preloaded library): one smoke training geometry forward and backward for SM90 with Triton,
+fp8, the fused QKV path and the FA3 stand-in; two single-GEMM graphs that pin the `_scaled_mm`
+scale-view failure inductor met before fp8 GEMMs became an opaque op; and flex attention, the SM89
+and SM80 fallback for FA3, forward and backward at the recipe's head widths for SM80. The fast
+tests check the graph plan, the backend each faked GPU gets, the command line, the report parsing
+and the FA3 start-up check (on the CPU, with fake tensors).
 
 Run: pytest tests/perf/test_perf_cross_compile.py -q   (the slow ones: about 5 minutes on 2 cores; in the
 whole suite the smoke geometry compiles in the background from the start, see tests/conftest.py)
@@ -18,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from config import RUN_PRESETS
+from config import RUN_PRESETS, ConfigError
 from perf import attention_backends as ab
+from perf.backend import detect
 from perf.cross_compile import GraphReport, GraphSpec, count_wrapper, failing_op, plan_graphs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +65,40 @@ def test_plan_has_one_graph_per_geometry_and_the_validations():
     assert stage2.step == 681 and "T=49152" in stage2.name
 
 
+@pytest.mark.parametrize("sm, fp8, attention", [(90, True, "fa3"), (89, True, "flex"), (80, False, "flex")])
+def test_each_faked_gpu_compiles_the_backend_a_run_on_it_gets(monkeypatch, sm, fp8, attention):
+    """The backend comes from `perf.backend.detect` on the faked device's capability, as a run's
+    does: an L40S / RTX 4090 keeps fp8 and falls back to flex attention, an A100 loses fp8 too."""
+    from perf.cross_compile import DEVICES_SM, describe_backend, target_backend
+    from perf.fake_gpu import DEVICES
+
+    assert set(DEVICES_SM) == set(DEVICES)  # --help's list is the faked GPUs'
+    device = DEVICES[sm]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (device.major, device.minor))
+    backend = target_backend({})
+    assert (backend.sm, backend.fp8, backend.attention, backend.triton) == (sm, fp8, attention, True)
+    assert backend == detect({}, device="cuda")  # one function decides, for the run and the cross-compile
+    assert f"fp8 {'on' if fp8 else 'off'}, attention {attention}" in describe_backend(backend)
+    assert not target_backend({"SPEEDRUN_FP8": "0"}).fp8  # the run's switches apply
+    with pytest.raises(ConfigError, match="SPEEDRUN_COMPILE"):  # eager graphs are not what is cross-compiled
+        target_backend({"SPEEDRUN_COMPILE": "0"})
+
+
+def test_command_line_names_the_faked_gpu_and_the_world_size(capsys):
+    from perf.cross_compile import parse_args
+
+    args = parse_args(["--config", "recipe", "--world-size", "1", "--sm", "89", "--steps", "0"])
+    assert (args.sm, args.world_size, args.steps) == (89, 1, [0])
+    assert parse_args(["--config", "recipe"]).world_size == 8  # default: one process per virtual rank
+    assert parse_args([]).sm == 90
+    for argv, message in ((["--sm", "75"], "argument --sm: invalid choice: 75 (choose from 90, 89, 80)"),
+                          (["--config", "recipe", "--world-size", "3"],
+                           "--world-size 3: --config recipe runs on 1, 2, 4, 8 processes")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
 def test_report_reads_the_wrapper_and_names_the_failing_op():
     wrapper = ("triton_poi_fused_0 = async_compile.triton('triton_poi_fused_0', '''...''')\n"
                "_up_relu2_fp8_kernel = async_compile.triton('_up_relu2_fp8_kernel', '''...''')\n"
@@ -76,14 +114,14 @@ def test_report_reads_the_wrapper_and_names_the_failing_op():
     wrapped.__cause__ = lowering
     assert failing_op(wrapped) == "aten._scaled_mm.default"
     assert failing_op(ValueError("no op here")) == "ValueError"
-    from perf.fake_sm90 import KernelCompileError
+    from perf.fake_gpu import KernelCompileError
     kernel = KernelCompileError("triton_poi_fused__to_copy_clamp_124", RuntimeError("PassManager::run failed"))
     assert "inductor's fusion of _to_copy_clamp" in str(kernel)
     assert failing_op(RuntimeError(f"InductorError: {kernel}")) == "Triton kernel triton_poi_fused__to_copy_clamp_124"
 
 
 def test_fa3_check_passes_ops_with_fake_kernels_and_names_those_without():
-    from perf.fake_sm90 import fa3_standin
+    from perf.fake_gpu import fa3_standin
 
     ab.check_fa3_compilable(fa3_standin(), device="cpu")  # forward and backward trace
 
@@ -126,3 +164,14 @@ def test_a_smoke_training_geometry_compiles_for_sm90_forward_and_backward(smoke_
     for call in ("torch.ops.speedrun.scaled_mm.default", "torch.ops.speedrun_fa3_standin.varlen_fwd.default",
                  "torch.ops.speedrun_fa3_standin.varlen_bwd.default"):  # fp8 GEMMs; FA3 forward and backward
         assert call in externs, externs
+
+
+@pytest.mark.slow
+def test_flex_attention_the_fa3_fallback_compiles_for_sm80_forward_and_backward():
+    """What an A100 (and an L40S / RTX 4090) runs for FA3: flex attention's Triton templates at the
+    recipe's head widths, tiles chosen for SM80's capability and within its shared memory per block."""
+    code, out, err = _cross_compile("--sm", "80", "--function", f"{CASES}:flex_attention_recipe_widths")
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "A100-SXM4-80GB (SM80, sm_80 cubins); backend: fp8 off, attention flex" in out
+    seconds, inductor, project, cubins, extern = _row(out, "function flex_attention_recipe_widths")
+    assert int(inductor) >= 3 and int(cubins) >= int(inductor), out[-2000:]  # forward, backward, block mask
