@@ -105,6 +105,9 @@ class GraphReport:
     extern_calls: int = 0
     extern_names: tuple[str, ...] = ()
     project_names: tuple[str, ...] = ()
+    # kernels none of whose configs fit the GPU's shared memory per block, recompiled with one pipeline
+    # stage as inductor does at their first launch: "name (asked KiB, one stage KiB)"
+    unpipelined: tuple[str, ...] = ()
     error: str | None = None  # "op: exception: first line"
     detail: str = ""  # the error's first lines (inductor's IR of the failing node)
 
@@ -258,7 +261,7 @@ def _compile_one(spec: GraphSpec, compiled, args: tuple, contexts, capture: Wrap
     from perf.fake_gpu import LEDGER
 
     report = GraphReport(spec)
-    wrappers, cubins = len(capture.sources), LEDGER.mark()
+    wrappers, ledger = len(capture.sources), LEDGER.mark()
     t0 = time.perf_counter()
     try:
         compile_without_running(compiled, args, contexts)
@@ -270,7 +273,9 @@ def _compile_one(spec: GraphSpec, compiled, args: tuple, contexts, capture: Wrap
         report.detail = first_lines(exc, 12)
     report.seconds = time.perf_counter() - t0
     count_wrapper(capture.sources[wrappers:], report)
-    report.cubins = len(LEDGER.since(cubins))
+    report.cubins = len(LEDGER.since(ledger))
+    report.unpipelined = tuple(f"{name} ({asked // 1024} KiB, one stage {single // 1024} KiB)"
+                               for name, asked, single in LEDGER.unpipelined_since(ledger))
     return report
 
 
@@ -403,7 +408,9 @@ def format_table(reports: list[GraphReport], total_seconds: float) -> str:
     lines.append(f"{'total':<72} {total_seconds:>8.1f} {sum(r.inductor_kernels for r in ok):>8} "
                  f"{sum(r.project_kernels for r in ok):>8} {sum(r.cubins for r in ok):>7} "
                  f"{sum(r.extern_calls for r in ok):>7}")
-    for label, field in (("project kernels", "project_names"), ("extern calls", "extern_names")):
+    for label, field in (("project kernels", "project_names"), ("extern calls", "extern_names"),
+                         ("recompiled with one pipeline stage, every config over the GPU's shared memory "
+                          "per block", "unpipelined")):
         names = sorted({name for r in ok for name in getattr(r, field)})
         if names:
             lines.append(f"{label}: " + ", ".join(names))

@@ -189,16 +189,23 @@ def reexec_with_preload(argv: list[str]) -> None:
 
 class KernelLedger:
     """Every Triton binary built in this process, in order: (kernel name, cubin bytes). Filled where
-    inductor would make the kernel's launchers (which would load the cubin on the device)."""
+    inductor would make the kernel's launchers (which would load the cubin on the device). And the
+    kernels none of whose configs fit the GPU's shared memory per block, recompiled with one pipeline
+    stage as inductor would at their first launch: (kernel name, bytes the leanest config asked,
+    bytes with one stage)."""
 
     def __init__(self):
         self.cubins: list[tuple[str, int]] = []
+        self.unpipelined: list[tuple[str, int, int]] = []
 
-    def mark(self) -> int:
-        return len(self.cubins)
+    def mark(self) -> tuple[int, int]:
+        return len(self.cubins), len(self.unpipelined)
 
-    def since(self, mark: int) -> list[tuple[str, int]]:
-        return self.cubins[mark:]
+    def since(self, mark: tuple[int, int]) -> list[tuple[str, int]]:
+        return self.cubins[mark[0]:]
+
+    def unpipelined_since(self, mark: tuple[int, int]) -> list[tuple[str, int, int]]:
+        return self.unpipelined[mark[1]:]
 
 
 LEDGER = KernelLedger()
@@ -302,6 +309,9 @@ def _check_shared_memory(autotuner, device: DeviceProperties) -> None:
     needs = min(_shared_bytes(r.kernel) for r in autotuner.compile_results)
     if (last.num_stages > 1 or last.kwargs.get("NUM_STAGES", 1) > 1) \
             and autotuner.inductor_meta.get("dynamic_disable_pipelining", True):
+        # inductor's `compile_by_disabling_pipelining`, less the launcher: a kernel compiled in a
+        # worker came back without its Python function (`prepare_for_pickle`), so it is reloaded first
+        autotuner._ensure_kernel_loaded()
         single = copy.deepcopy(last)
         single.num_stages = 1
         if "NUM_STAGES" in single.kwargs:
@@ -310,6 +320,7 @@ def _check_shared_memory(autotuner, device: DeviceProperties) -> None:
         autotuner.compile_results = [result]
         LEDGER.cubins.append((autotuner.fn.__name__, _cubin_bytes(result.kernel)))
         if _shared_bytes(result.kernel) <= limit:
+            LEDGER.unpipelined.append((autotuner.fn.__name__, needs, _shared_bytes(result.kernel)))
             return
         needs = _shared_bytes(result.kernel)
     cause = RuntimeError(f"needs {needs} bytes of shared memory per block (its leanest config), the "

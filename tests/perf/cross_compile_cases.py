@@ -45,3 +45,17 @@ def flex_attention_recipe_widths():
     q, k = (torch.zeros(T, 6, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     v = torch.zeros(T, 6, 128, dtype=torch.bfloat16, requires_grad=True)
     return fn, (q, k, v, torch.zeros(8, dtype=torch.int32))
+
+
+def up_relu2_fp8_record_tile():
+    """The fp8 MLP's up-projection kernel at record #360's tile (perf/kernels/mlp.py TILES["cuda_fp8"],
+    3 stages: 176 KiB of shared memory per block for sm_90, 128 KiB for sm_89): over an L40S's 99 KiB,
+    so inductor recompiles it with one stage, as at its first launch on such a GPU."""
+    from perf.fp8 import E4M3
+    from perf.kernels.mlp import up_relu2_fp8_triton
+
+    def fn(x8, w1_8, s_x, s_w1, s_post, post_amax):
+        return up_relu2_fp8_triton(x8, w1_8, s_x, s_w1, s_post, post_amax, torch.bfloat16)
+
+    scales = (torch.ones((), dtype=torch.float32) for _ in range(4))
+    return fn, (torch.zeros(256, 128, dtype=E4M3), torch.zeros(512, 128, dtype=E4M3), *scales)

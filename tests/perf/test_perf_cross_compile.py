@@ -4,8 +4,9 @@ A100 compiles, built on a CPU.
 The slow tests run `python -m perf.cross_compile` in a subprocess (it re-executes itself with the fake
 device's preloaded library): one smoke training geometry forward and backward for SM90 with Triton,
 fp8, the fused QKV path and the FA3 stand-in; two single-GEMM graphs that pin the `_scaled_mm`
-scale-view failure inductor met before fp8 GEMMs became an opaque op; and flex attention, the SM89
-and SM80 fallback for FA3, forward and backward at the recipe's head widths for SM80. The fast
+scale-view failure inductor met before fp8 GEMMs became an opaque op; and for an L40S (SM89) flex
+attention, its fallback for FA3, at the recipe's head widths, and the fp8 MLP kernel recompiled with
+one pipeline stage (its record tile is over the L40S's shared memory per block). The fast
 tests check the graph plan, the backend each faked GPU gets, the command line, the report parsing
 and the FA3 start-up check (on the CPU, with fake tensors).
 
@@ -61,6 +62,8 @@ def test_plan_has_one_graph_per_geometry_and_the_validations():
     assert len([s for s in record if s.training]) == 6
     (final,) = [s for s in record if not s.training]  # record #360 validates at the end only
     assert final.canonical_mask and final.windows == (6, 20)
+    # the recipe on fewer processes: each forward is one virtual rank's micro-batch, the record's shapes
+    assert plan_graphs(RUN_PRESETS["recipe"]) == record
     (stage2,) = plan_graphs(RUN_PRESETS["record"], steps=[700, 690], validation=False)
     assert stage2.step == 681 and "T=49152" in stage2.name
 
@@ -167,11 +170,17 @@ def test_a_smoke_training_geometry_compiles_for_sm90_forward_and_backward(smoke_
 
 
 @pytest.mark.slow
-def test_flex_attention_the_fa3_fallback_compiles_for_sm80_forward_and_backward():
-    """What an A100 (and an L40S / RTX 4090) runs for FA3: flex attention's Triton templates at the
-    recipe's head widths, tiles chosen for SM80's capability and within its shared memory per block."""
-    code, out, err = _cross_compile("--sm", "80", "--function", f"{CASES}:flex_attention_recipe_widths")
+def test_an_l40s_compiles_flex_attention_and_the_fp8_mlp_with_one_pipeline_stage():
+    """What an L40S / RTX 4090 gets: flex attention (its FA3 fallback) forward and backward at the
+    recipe's head widths, tiles chosen for SM89 within its 99 KiB of shared memory per block; and the
+    fp8 MLP kernel whose record tile does not fit, recompiled with one stage as inductor does at first
+    launch (in the parent process, after a compile worker built it: --jobs 2)."""
+    code, out, err = _cross_compile("--sm", "89", "--jobs", "2", "--function", f"{CASES}:flex_attention_recipe_widths",
+                                    "--function", f"{CASES}:up_relu2_fp8_record_tile")
     assert code == 0, out[-3000:] + err[-3000:]
-    assert "A100-SXM4-80GB (SM80, sm_80 cubins); backend: fp8 off, attention flex" in out
+    assert "NVIDIA L40S (SM89, sm_89 cubins); backend: fp8 on, attention flex" in out
     seconds, inductor, project, cubins, extern = _row(out, "function flex_attention_recipe_widths")
     assert int(inductor) >= 3 and int(cubins) >= int(inductor), out[-2000:]  # forward, backward, block mask
+    seconds, inductor, project, cubins, extern = _row(out, "function up_relu2_fp8_record_tile")
+    assert (int(project), int(cubins)) == (1, 2), out[-2000:]  # the 3-stage binary, then the 1-stage one
+    assert re.search(r"recompiled with one pipeline stage.*: _up_relu2_fp8_kernel \(128 KiB, one stage 48 KiB\)", out)
