@@ -32,19 +32,30 @@ def mlp_scaled_mm_slot_view():
     return fn, (*_operands(), torch.ones((), dtype=torch.float32))
 
 
-def flex_attention_recipe_widths():
-    """flex attention, what SM89 and SM80 run for FA3 (perf.backend.detect), at record #360's widths
-    on its paired-head layers (6 heads, d_qk 64, d_v 128; [2T, 3, d] streams), forward and backward:
-    its Triton templates pick their tiles by the GPU's capability and shared memory."""
+def _flex_case(training: bool):
     from perf.attention_backends import flex_varlen_attention
 
     def fn(q, k, v, cu_seqlens):
         return flex_varlen_attention(q, k, v, cu_seqlens, window=384, softmax_scale=0.12, paired=True)
 
     T = 1024  # a multiple of flex's 128-position tile, as the run's micro-batches are
-    q, k = (torch.zeros(T, 6, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    v = torch.zeros(T, 6, 128, dtype=torch.bfloat16, requires_grad=True)
+    q, k = (torch.zeros(T, 6, 64, dtype=torch.bfloat16, requires_grad=training) for _ in range(2))
+    v = torch.zeros(T, 6, 128, dtype=torch.bfloat16, requires_grad=training)
     return fn, (q, k, v, torch.zeros(8, dtype=torch.int32))
+
+
+def flex_attention_recipe_widths():
+    """flex attention, what SM89 and SM80 run for FA3 (perf.backend.detect), at record #360's widths
+    on its paired-head layers (6 heads, d_qk 64, d_v 128; [2T, 3, d] streams), forward and backward:
+    its Triton templates pick their tiles by the GPU's capability and shared memory."""
+    return _flex_case(training=True)
+
+
+def flex_attention_validation():
+    """The same attention in an inference graph, as a validation forward runs it: the mask's segment
+    ids captured as a computed tensor failed to lower here (perf/attention_backends.py
+    `_segment_ids_op`)."""
+    return _flex_case(training=False)
 
 
 def up_relu2_fp8_record_tile():

@@ -5,10 +5,10 @@ The slow tests run `python -m perf.cross_compile` in a subprocess (it re-execute
 device's preloaded library): one smoke training geometry forward and backward for SM90 with Triton,
 fp8, the fused QKV path and the FA3 stand-in; two single-GEMM graphs that pin the `_scaled_mm`
 scale-view failure inductor met before fp8 GEMMs became an opaque op; and for an L40S (SM89) flex
-attention, its fallback for FA3, at the recipe's head widths, and the fp8 MLP kernel recompiled with
-one pipeline stage (its record tile is over the L40S's shared memory per block). The fast
-tests check the graph plan, the backend each faked GPU gets, the command line, the report parsing
-and the FA3 start-up check (on the CPU, with fake tensors).
+attention, its fallback for FA3, at the recipe's head widths in a training and a validation graph,
+and the fp8 MLP kernel recompiled with one pipeline stage (its record tile is over the L40S's shared
+memory per block). The fast tests check the graph plan, the backend each faked GPU gets, the command
+line, the report parsing and the FA3 start-up check (on the CPU, with fake tensors).
 
 Run: pytest tests/perf/test_perf_cross_compile.py -q   (the slow ones: about 5 minutes on 2 cores; in the
 whole suite the smoke geometry compiles in the background from the start, see tests/conftest.py)
@@ -172,15 +172,19 @@ def test_a_smoke_training_geometry_compiles_for_sm90_forward_and_backward(smoke_
 @pytest.mark.slow
 def test_an_l40s_compiles_flex_attention_and_the_fp8_mlp_with_one_pipeline_stage():
     """What an L40S / RTX 4090 gets: flex attention (its FA3 fallback) forward and backward at the
-    recipe's head widths, tiles chosen for SM89 within its 99 KiB of shared memory per block; and the
+    recipe's head widths, tiles chosen for SM89 within its 99 KiB of shared memory per block, and in
+    an inference graph (a validation forward, which failed to lower before the mask's segment ids
+    became an opaque op); and the
     fp8 MLP kernel whose record tile does not fit, recompiled with one stage as inductor does at first
     launch (in the parent process, after a compile worker built it: --jobs 2)."""
-    code, out, err = _cross_compile("--sm", "89", "--jobs", "2", "--function", f"{CASES}:flex_attention_recipe_widths",
-                                    "--function", f"{CASES}:up_relu2_fp8_record_tile")
+    code, out, err = _cross_compile("--sm", "89", "--jobs", "2", *(f"--function={CASES}:{name}" for name in (
+        "flex_attention_recipe_widths", "flex_attention_validation", "up_relu2_fp8_record_tile")))
     assert code == 0, out[-3000:] + err[-3000:]
     assert "NVIDIA L40S (SM89, sm_89 cubins); backend: fp8 on, attention flex" in out
     seconds, inductor, project, cubins, extern = _row(out, "function flex_attention_recipe_widths")
     assert int(inductor) >= 3 and int(cubins) >= int(inductor), out[-2000:]  # forward, backward, block mask
+    seconds, inductor, project, cubins, extern = _row(out, "function flex_attention_validation")
+    assert int(inductor) >= 2 and int(cubins) >= int(inductor), out[-2000:]  # forward, block mask
     seconds, inductor, project, cubins, extern = _row(out, "function up_relu2_fp8_record_tile")
     assert (int(project), int(cubins)) == (1, 2), out[-2000:]  # the 3-stage binary, then the 1-stage one
     assert re.search(r"recompiled with one pipeline stage.*: _up_relu2_fp8_kernel \(128 KiB, one stage 48 KiB\)", out)
