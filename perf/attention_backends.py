@@ -117,11 +117,28 @@ def sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w
 FLEX_BLOCK_SIZE = 128  # flex_attention's default tile; blocks fully outside every window are skipped
 
 
+# The segment ids flex's mask reads, as one opaque op. In an inference graph (a validation forward),
+# inductor inlines a computed tensor the mask_mod captures into the attention template, and the
+# searchsorted inside it loads the int64 copy of cu_seqlens, a buffer whose layout nothing froze:
+# every flex validation failed to lower ("convert FlexibleLayout to FixedLayout first", torch 2.13;
+# training graphs compiled), on every GPU that runs flex. An op's output has a fixed layout (found by
+# python -m perf.tools.cross_compile --config recipe --world-size 1 --sm 89; tests/perf/test_perf_cross_compile.py
+# keeps it). The op is one searchsorted, what the inlined code would compute.
+@torch.library.custom_op("speedrun::segment_ids", mutates_args=())
+def _segment_ids_op(cu_seqlens: Tensor, num_positions: int) -> Tensor:
+    return segment_ids(cu_seqlens, num_positions)
+
+
+@_segment_ids_op.register_fake
+def _(cu_seqlens, num_positions):
+    return cu_seqlens.new_empty((num_positions,), dtype=torch.int64)
+
+
 def flex_block_mask(cu_seqlens: Tensor, num_positions: int, window: int, block_size: int = FLEX_BLOCK_SIZE):
     """flex_attention's BlockMask for the rule of `varlen_attention_mask`: same segment, 0 <= q − k <= window."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    seg = segment_ids(cu_seqlens, num_positions)
+    seg = _segment_ids_op(cu_seqlens, num_positions)  # opaque: see above
 
     def same_segment_in_window(batch, head, q_idx, kv_idx):
         dist = q_idx - kv_idx

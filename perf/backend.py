@@ -75,7 +75,7 @@ BACKEND_VARIABLES = ("SPEEDRUN_TRITON", "SPEEDRUN_FP8", "SPEEDRUN_ATTENTION", "S
                      "SPEEDRUN_HOST_CHECKS", "SPEEDRUN_OVERLAP", "SPEEDRUN_PINNED_BATCHES", "SPEEDRUN_FUSED_QKV",
                      "SPEEDRUN_SHARDED_PREFIX", "SPEEDRUN_DEFERRED_GATHERS", "SPEEDRUN_ROW_PREFETCH")
 OTHER_VARIABLES = ("SPEEDRUN_FA3_DIR",  # perf/attention_backends.py: a local FA3 build
-                   "SPEEDRUN_FAKE_SM90", "SPEEDRUN_CROSS_COMPILE_TRACEBACK",  # perf/tools/cross_compile.py's own
+                   "SPEEDRUN_FAKE_GPU", "SPEEDRUN_CROSS_COMPILE_TRACEBACK",  # perf/tools/cross_compile.py's own
                    "SPEEDRUN_CROSS_COMPILE_TEMP_CACHE")
 
 

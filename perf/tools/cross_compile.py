@@ -1,24 +1,32 @@
-"""What an H100 compiles, built on a CPU: every graph of a preset's run cross-compiled to sm_90 cubins.
+"""What a GPU compiles, built on a CPU: every graph of a run cross-compiled for a faked H100, L40S or A100.
+
+The faked GPU is an H100 (sm_90 cubins) by default; `--sm 89` fakes an L40S (an RTX 4090's
+architecture: sm_89), `--sm 80` an A100 (sm_80).
 
     python -m perf.tools.cross_compile --config smoke            # every training geometry and validation graph
     python -m perf.tools.cross_compile --config record --steps 681 --no-validation   # one record geometry
+    python -m perf.tools.cross_compile --config recipe --world-size 1 --sm 89   # the one-GPU recipe on an L40S
 
-A CPU-only torch with one faked SM90 device (perf/tools/fake_sm90.py: the process re-executes itself with
-a small preloaded library) compiles exactly what a run compiles: the model built as `training.Run`
-builds it (fp8 weight caches, the optimizer's value-embedding gradient buffer), compiled through
-`perf/compile.py` unchanged (inductor, fullgraph, static shapes), with the fast path's backend
-(Triton kernels, fp8, fused QKV, FA3 through a stand-in op with a shape-only kernel, no host checks).
-Each training geometry of the schedule (`StepSettings.geometry`) compiles forward and backward, as
-its first step would; each validation forward compiles at the windows it will see. Tensors are fake
-(shapes only), so the record's shapes cost no memory. Nothing runs: inductor generates the CUDA
-wrapper and its Triton kernels, and Triton compiles every kernel, the project's included, to an
-sm_90 cubin with its own ptxas.
+A CPU-only torch with one faked GPU (perf/tools/fake_gpu.py: the process re-executes itself with a small
+preloaded library) compiles exactly what a run compiles: the backend `perf.backend.detect` picks for
+that GPU (SM90: Triton, fp8, fused QKV, FA3 through a stand-in op with a shape-only kernel; SM89: the
+same with flex attention for FA3; SM80: no fp8 either, so bf16 GEMMs and the unfused QKV), with the
+environment's SPEEDRUN_* switches applied as a run applies them; the model built as `training.Run`
+builds it for `--world-size` processes (fp8 weight caches where fp8 runs, the optimizer's
+value-embedding gradient buffer), compiled through `perf/compile.py` unchanged (inductor, fullgraph,
+static shapes). Each training geometry of the schedule (`StepSettings.geometry`) compiles forward
+and backward, as its first step would; each validation forward compiles at the windows it will
+see. A process playing several virtual ranks runs one rank's micro-batch per forward (T = the
+step's tokens / the preset's virtual ranks), so its graphs are one rank's of the 8-process run.
+Tensors are fake (shapes only), so the record's shapes cost no memory. Nothing runs: inductor
+generates the CUDA wrapper and its Triton kernels, and Triton compiles every kernel, the project's
+included, to a cubin for the GPU's architecture with its own ptxas.
 
 It prints one row per graph: compile seconds, inductor's Triton kernels, the project's Triton
 kernels, the cubins built, and the extern calls (cuBLAS GEMMs, `_scaled_mm`, FA3). A graph that fails
 to lower is named with the op and inductor's error, and the command exits 1 once every graph was tried.
 
-What this proves, and what only a GPU can: see the README, "Cross-compiling for SM90".
+What this proves, and what only a GPU can: see docs/cross_compile.md.
 """
 from __future__ import annotations
 
@@ -36,6 +44,8 @@ from pathlib import Path
 import torch
 
 EXIT_FAILED = 1
+EXIT_USAGE = 2
+DEVICES_SM = (90, 89, 80)  # perf/tools/fake_gpu.py DEVICES: the GPUs --sm fakes (kept here so --help needs no torch import)
 TRACEBACK_ENV = "SPEEDRUN_CROSS_COMPILE_TRACEBACK"  # 1: print each failing graph's whole traceback
 TEMP_CACHE_ENV = "SPEEDRUN_CROSS_COMPILE_TEMP_CACHE"  # the fresh cache folder this run made (removed at exit)
 
@@ -57,7 +67,7 @@ def plan_graphs(cfg, steps: list[int] | None = None, backward: bool = True, vali
     intermediate validation, then the final one, with record #92's mask when the preset has it)."""
     from optim.schedule import TrainingSchedule
 
-    schedule = TrainingSchedule(cfg.schedule)
+    schedule = TrainingSchedule(cfg.schedule, cfg.features)
     n = schedule.total_steps
     specs, seen = [], set()
     wanted = None if steps is None else {schedule.settings(s).geometry for s in steps}
@@ -95,6 +105,9 @@ class GraphReport:
     extern_calls: int = 0
     extern_names: tuple[str, ...] = ()
     project_names: tuple[str, ...] = ()
+    # kernels none of whose configs fit the GPU's shared memory per block, recompiled with one pipeline
+    # stage as inductor does at their first launch: "name (asked KiB, one stage KiB)"
+    unpipelined: tuple[str, ...] = ()
     error: str | None = None  # "op: exception: first line"
     detail: str = ""  # the error's first lines (inductor's IR of the failing node)
 
@@ -218,11 +231,10 @@ def cross_compile_cases(refs: list[str], progress=print) -> list[GraphReport]:
 
     from perf.backend import current, use_backend
     from perf.compile import compile_model
-    from perf.tools.fake_sm90 import on_fake_cuda
+    from perf.tools.fake_gpu import on_fake_cuda
 
     reports = []
-    fast = _fast_backend(current())
-    with FakeTensorMode(allow_non_fake_inputs=True), use_backend(**fast.__dict__):
+    with FakeTensorMode(allow_non_fake_inputs=True), use_backend(**target_backend().__dict__):
         for i, ref in enumerate(refs):
             with on_fake_cuda():
                 fn, args = load_case(ref)()
@@ -246,10 +258,10 @@ def _capture() -> WrapperCapture:
 
 
 def _compile_one(spec: GraphSpec, compiled, args: tuple, contexts, capture: WrapperCapture) -> GraphReport:
-    from perf.tools.fake_sm90 import LEDGER
+    from perf.tools.fake_gpu import LEDGER
 
     report = GraphReport(spec)
-    wrappers, cubins = len(capture.sources), LEDGER.mark()
+    wrappers, ledger = len(capture.sources), LEDGER.mark()
     t0 = time.perf_counter()
     try:
         compile_without_running(compiled, args, contexts)
@@ -261,37 +273,56 @@ def _compile_one(spec: GraphSpec, compiled, args: tuple, contexts, capture: Wrap
         report.detail = first_lines(exc, 12)
     report.seconds = time.perf_counter() - t0
     count_wrapper(capture.sources[wrappers:], report)
-    report.cubins = len(LEDGER.since(cubins))
+    report.cubins = len(LEDGER.since(ledger))
+    report.unpipelined = tuple(f"{name} ({asked // 1024} KiB, one stage {single // 1024} KiB)"
+                               for name, asked, single in LEDGER.unpipelined_since(ledger))
     return report
 
 
-def _fast_backend(base):
-    """The record's fast path on the faked device: Triton, fp8, FA3, fused QKV, inductor, no host checks."""
-    from dataclasses import replace
+def target_backend(env=os.environ):
+    """The backend a run on the faked GPU gets (`perf.backend.detect` on it, with the environment's
+    SPEEDRUN_* switches): on SM90 the record's fast path, on SM89 flex attention for FA3, on SM80 no
+    fp8 either. It must compile with inductor: that is what is cross-compiled."""
+    from config import ConfigError
+    from perf.backend import detect
 
-    return replace(base, device="cuda", sm=90, triton=True, fp8=True, attention="fa3", compile=True,
-                   compile_backend="inductor", cuda_graphs=True, sync_check=False, host_checks=False)
+    backend = detect(env, device="cuda")
+    if not backend.compile or backend.compile_backend != "inductor":
+        raise ConfigError([f"perf.tools.cross_compile compiles with inductor: unset SPEEDRUN_COMPILE and "
+                           f"SPEEDRUN_COMPILE_BACKEND (found compile={int(backend.compile)}, "
+                           f"backend {backend.compile_backend})"])
+    return backend
+
+
+def describe_backend(backend) -> str:
+    """`fp8 on, attention fa3, Triton on, fused QKV on`: what decides which graphs a GPU compiles."""
+    on = lambda flag: "on" if flag else "off"  # noqa: E731
+    return (f"fp8 {on(backend.fp8)}, attention {backend.attention}, Triton {on(backend.triton)}, "
+            f"fused QKV {on(backend.fused_qkv and backend.fp8)}")
 
 
 # ------------------------------------------------------------------------------------------------
 # A preset's graphs
 
 
-def build_model(cfg):
-    """The model as `training.Run` builds it, on the fake CUDA device: fp8 caches refreshed, the
-    optimizer's value-embedding gradient buffer attached (the warmup compiles before the prefix
-    table is set; a buffer's values do not change the graph)."""
+def build_model(cfg, backend, world_size: int):
+    """The model as `training.Run` builds it for rank 0 of `world_size` processes, on the fake CUDA
+    device: fp8 caches refreshed where the backend runs fp8, the optimizer's value-embedding gradient
+    buffer attached (the warmup compiles before the prefix table is set; a buffer's values do not
+    change the graph)."""
     from model.gpt import GPT
     from optim.manager import OptimizerManager
     from optim.schedule import TrainingSchedule
-    from perf.tools.fake_sm90 import on_fake_cuda
+    from perf.tools.fake_gpu import on_fake_cuda
 
-    schedule = TrainingSchedule(cfg.schedule)
+    schedule = TrainingSchedule(cfg.schedule, cfg.features)
     with on_fake_cuda():
-        model = GPT(cfg.model, fp8=True)
-        manager = OptimizerManager(model.named_parameters(), schedule, cfg.optim,
-                                   layout=(0, cfg.virtual_world_size))
-        model.value_embed_grad_buffer = manager.cycle_gradient("value_embeds")
+        model = GPT(cfg.model, fp8=backend.fp8, features=cfg.features)
+        manager = OptimizerManager(model.named_parameters(), schedule, cfg.optim, layout=(0, world_size),
+                                   absent=model.switched_off_parameters,
+                                   local_ranks=cfg.virtual_world_size // world_size)
+        if cfg.features.value_embeds:
+            model.value_embed_grad_buffer = manager.cycle_gradient("value_embeds")
         model.refresh_fp8()
     return model, schedule
 
@@ -328,20 +359,24 @@ def graph_inputs(cfg, schedule, spec: GraphSpec) -> tuple:
     return inputs, targets, cu_seqlens, rows, sign_rows, args
 
 
-def cross_compile_preset(cfg, specs: list[GraphSpec], backward: bool = True, progress=print) -> list[GraphReport]:
+def cross_compile_preset(cfg, specs: list[GraphSpec], backward: bool = True, progress=print,
+                         world_size: int | None = None) -> list[GraphReport]:
+    """Cross-compile `specs` of `cfg` for rank 0 of `world_size` processes (default: one per virtual
+    rank) with the faked GPU's backend (`target_backend`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from perf import attention_backends
     from perf.backend import current, use_backend
     from perf.compile import compile_model
-    from perf.tools.fake_sm90 import fa3_standin
+    from perf.tools.fake_gpu import fa3_standin
 
     capture = _capture()
-    fast = _fast_backend(current())
-    attention_backends._fa3_interface = fa3_standin()  # the hub binary cannot load on a CPU
+    backend = target_backend()
+    if backend.attention == "fa3":
+        attention_backends._fa3_interface = fa3_standin()  # the hub binary cannot load on a CPU
     reports = []
-    with FakeTensorMode(allow_non_fake_inputs=True), use_backend(**fast.__dict__):
-        model, schedule = build_model(cfg)
+    with FakeTensorMode(allow_non_fake_inputs=True), use_backend(**backend.__dict__):
+        model, schedule = build_model(cfg, backend, world_size or cfg.virtual_world_size)
         compiled = compile_model(model, current())
         windows = schedule.windows(0)
         for i, spec in enumerate(specs):
@@ -373,7 +408,9 @@ def format_table(reports: list[GraphReport], total_seconds: float) -> str:
     lines.append(f"{'total':<72} {total_seconds:>8.1f} {sum(r.inductor_kernels for r in ok):>8} "
                  f"{sum(r.project_kernels for r in ok):>8} {sum(r.cubins for r in ok):>7} "
                  f"{sum(r.extern_calls for r in ok):>7}")
-    for label, field in (("project kernels", "project_names"), ("extern calls", "extern_names")):
+    for label, field in (("project kernels", "project_names"), ("extern calls", "extern_names"),
+                         ("recompiled with one pipeline stage, every config over the GPU's shared memory "
+                          "per block", "unpipelined")):
         names = sorted({name for r in ok for name in getattr(r, field)})
         if names:
             lines.append(f"{label}: " + ", ".join(names))
@@ -385,6 +422,12 @@ def parse_args(argv):
 
     p = argparse.ArgumentParser(prog="python -m perf.tools.cross_compile", description=__doc__.split("\n")[0])
     p.add_argument("--config", choices=sorted(RUN_PRESETS), default="smoke", help="the preset whose graphs compile")
+    p.add_argument("--sm", type=int, default=90, choices=sorted(DEVICES_SM, reverse=True),
+                   help="the GPU to fake: 90 an H100 (default), 89 an L40S or RTX 4090 (fp8, no FA3), "
+                        "80 an A100 (no fp8, no FA3)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="processes of the run (default: one per virtual rank of the preset); rank 0's "
+                        "graphs compile")
     p.add_argument("--steps", default=None,
                    help="comma-separated training steps: compile only their geometries (default: every geometry)")
     p.add_argument("--no-backward", action="store_true", help="training graphs forward only")
@@ -399,6 +442,12 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: expected at least 1")
+    cfg = RUN_PRESETS[args.config]
+    if args.world_size is None:
+        args.world_size = cfg.virtual_world_size
+    elif args.world_size not in cfg.allowed_world_sizes:
+        p.error(f"--world-size {args.world_size}: --config {args.config} runs on "
+                f"{', '.join(map(str, cfg.allowed_world_sizes))} processes")
     if args.steps is not None:
         from optim.schedule import TrainingSchedule
 
@@ -406,7 +455,7 @@ def parse_args(argv):
             args.steps = [int(s) for s in args.steps.split(",") if s.strip()]
         except ValueError:
             p.error(f"--steps {args.steps!r}: expected comma-separated step numbers")
-        total = TrainingSchedule(RUN_PRESETS[args.config].schedule).total_steps
+        total = TrainingSchedule(cfg.schedule, cfg.features).total_steps
         outside = [s for s in args.steps if not 0 <= s < total]
         if outside or not args.steps:
             p.error(f"--steps {outside or args.steps}: the {args.config} schedule has steps 0..{total - 1}")
@@ -416,15 +465,15 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from perf.tools import fake_sm90
+    from perf.tools import fake_gpu
 
-    if not fake_sm90.preloaded():
+    if not fake_gpu.preloaded():
         if not args.keep_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
             cache = tempfile.mkdtemp(prefix="speedrun_cross_compile_")  # cold: every kernel is built
             os.environ.update({"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
                                TEMP_CACHE_ENV: cache})
-        fake_sm90.reexec_with_preload(["-m", "perf.tools.cross_compile", *argv])
-    fake_sm90.install(compile_workers=args.jobs)
+        fake_gpu.reexec_with_preload(["-m", "perf.tools.cross_compile", *argv])
+    fake_gpu.install(args.sm, compile_workers=args.jobs)
     try:
         return _run(args)
     finally:
@@ -436,18 +485,27 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from config import RUN_PRESETS
+    from config import RUN_PRESETS, ConfigError
+    from perf.tools.fake_gpu import DEVICES
 
     t0 = time.perf_counter()
+    try:
+        backend = target_backend()
+    except ConfigError as exc:
+        print(f"perf.tools.cross_compile: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    device = f"one faked {DEVICES[args.sm].name} (SM{args.sm}, sm_{args.sm} cubins); backend: {describe_backend(backend)}"
     if args.function:
+        print(f"cross-compiling {len(args.function)} function(s) for {device}", flush=True)
         reports = cross_compile_cases(args.function, progress=lambda line: print(line, flush=True))
         return _finish(reports, time.perf_counter() - t0)
     cfg = RUN_PRESETS[args.config]
     specs = plan_graphs(cfg, args.steps, backward=not args.no_backward, validation=not args.no_validation)
-    print(f"cross-compiling {len(specs)} graph(s) of --config {cfg.name} for one faked SM90 device "
-          f"(inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})", flush=True)
+    print(f"cross-compiling {len(specs)} graph(s) of --config {cfg.name} --world-size {args.world_size} "
+          f"(rank 0 plays {cfg.virtual_world_size // args.world_size} of {cfg.virtual_world_size} virtual ranks) "
+          f"for {device} (inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})", flush=True)
     reports = cross_compile_preset(cfg, specs, backward=not args.no_backward,
-                                   progress=lambda line: print(line, flush=True))
+                                   progress=lambda line: print(line, flush=True), world_size=args.world_size)
     return _finish(reports, time.perf_counter() - t0)
 
 

@@ -1,5 +1,6 @@
-"""Functions `python -m perf.tools.cross_compile --function tests/perf/cross_compile_cases.py:NAME` compiles for
-the faked SM90 device: each returns (fn, args), built on that device (fake tensors, shapes only).
+"""Functions `python -m perf.tools.cross_compile --function tests/perf/cross_compile_cases.py:NAME` [--sm SM] compiles
+for the faked GPU (SM90 by default): each returns (fn, args), built on that device (fake tensors,
+shapes only).
 Used by tests/perf/test_perf_cross_compile.py."""
 import torch
 
@@ -29,3 +30,43 @@ def mlp_scaled_mm_slot_view():
     def fn(a, w, scale_a, scale_b, post_lambda):
         return scaled_mm(a, w.t(), scale_a[3], scale_b[5] * post_lambda, torch.bfloat16, True)
     return fn, (*_operands(), torch.ones((), dtype=torch.float32))
+
+
+def _flex_case(training: bool):
+    from perf.attention_backends import flex_varlen_attention
+
+    def fn(q, k, v, cu_seqlens):
+        return flex_varlen_attention(q, k, v, cu_seqlens, window=384, softmax_scale=0.12, paired=True)
+
+    T = 1024  # a multiple of flex's 128-position tile, as the run's micro-batches are
+    q, k = (torch.zeros(T, 6, 64, dtype=torch.bfloat16, requires_grad=training) for _ in range(2))
+    v = torch.zeros(T, 6, 128, dtype=torch.bfloat16, requires_grad=training)
+    return fn, (q, k, v, torch.zeros(8, dtype=torch.int32))
+
+
+def flex_attention_recipe_widths():
+    """flex attention, what SM89 and SM80 run for FA3 (perf.backend.detect), at record #360's widths
+    on its paired-head layers (6 heads, d_qk 64, d_v 128; [2T, 3, d] streams), forward and backward:
+    its Triton templates pick their tiles by the GPU's capability and shared memory."""
+    return _flex_case(training=True)
+
+
+def flex_attention_validation():
+    """The same attention in an inference graph, as a validation forward runs it: the mask's segment
+    ids captured as a computed tensor failed to lower here (perf/attention_backends.py
+    `_segment_ids_op`)."""
+    return _flex_case(training=False)
+
+
+def up_relu2_fp8_record_tile():
+    """The fp8 MLP's up-projection kernel at record #360's tile (perf/kernels/mlp.py TILES["cuda_fp8"],
+    3 stages: 176 KiB of shared memory per block for sm_90, 128 KiB for sm_89): over an L40S's 99 KiB,
+    so inductor recompiles it with one stage, as at its first launch on such a GPU."""
+    from perf.fp8 import E4M3
+    from perf.kernels.mlp import up_relu2_fp8_triton
+
+    def fn(x8, w1_8, s_x, s_w1, s_post, post_amax):
+        return up_relu2_fp8_triton(x8, w1_8, s_x, s_w1, s_post, post_amax, torch.bfloat16)
+
+    scales = (torch.ones((), dtype=torch.float32) for _ in range(4))
+    return fn, (torch.zeros(256, 128, dtype=E4M3), torch.zeros(512, 128, dtype=E4M3), *scales)

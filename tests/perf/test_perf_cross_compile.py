@@ -1,10 +1,14 @@
-"""The SM90 cross-compile (perf/tools/cross_compile.py, perf/tools/fake_sm90.py): what an H100 compiles, built on a CPU.
+"""The cross-compile (perf/tools/cross_compile.py, perf/tools/fake_gpu.py): what an H100, an L40S / RTX 4090 or an
+A100 compiles, built on a CPU.
 
 The slow tests run `python -m perf.tools.cross_compile` in a subprocess (it re-executes itself with the fake
-device's preloaded library): one smoke training geometry forward and backward with Triton, fp8, the
-fused QKV path and the FA3 stand-in, and two single-GEMM graphs that pin the `_scaled_mm` scale-view
-failure inductor met before fp8 GEMMs became an opaque op. The fast tests check the graph plan, the
-report parsing and the FA3 start-up check (on the CPU, with fake tensors).
+device's preloaded library): one smoke training geometry forward and backward for SM90 with Triton,
+fp8, the fused QKV path and the FA3 stand-in; two single-GEMM graphs that pin the `_scaled_mm`
+scale-view failure inductor met before fp8 GEMMs became an opaque op; and for an L40S (SM89) flex
+attention, its fallback for FA3, at the recipe's head widths in a training and a validation graph,
+and the fp8 MLP kernel recompiled with one pipeline stage (its record tile is over the L40S's shared
+memory per block). The fast tests check the graph plan, the backend each faked GPU gets, the command
+line, the report parsing and the FA3 start-up check (on the CPU, with fake tensors).
 
 Run: pytest tests/perf/test_perf_cross_compile.py -q   (the slow ones: about 5 minutes on 2 cores; in the
 whole suite the smoke geometry compiles in the background from the start, see tests/conftest.py)
@@ -18,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from config import RUN_PRESETS
+from config import RUN_PRESETS, ConfigError
 from perf import attention_backends as ab
+from perf.backend import detect
 from perf.tools.cross_compile import GraphReport, GraphSpec, count_wrapper, failing_op, plan_graphs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -57,8 +62,44 @@ def test_plan_has_one_graph_per_geometry_and_the_validations():
     assert len([s for s in record if s.training]) == 6
     (final,) = [s for s in record if not s.training]  # record #360 validates at the end only
     assert final.canonical_mask and final.windows == (6, 20)
+    # the recipe on fewer processes: each forward is one virtual rank's micro-batch, the record's shapes
+    assert plan_graphs(RUN_PRESETS["recipe"]) == record
     (stage2,) = plan_graphs(RUN_PRESETS["record"], steps=[700, 690], validation=False)
     assert stage2.step == 681 and "T=49152" in stage2.name
+
+
+@pytest.mark.parametrize("sm, fp8, attention", [(90, True, "fa3"), (89, True, "flex"), (80, False, "flex")])
+def test_each_faked_gpu_compiles_the_backend_a_run_on_it_gets(monkeypatch, sm, fp8, attention):
+    """The backend comes from `perf.backend.detect` on the faked device's capability, as a run's
+    does: an L40S / RTX 4090 keeps fp8 and falls back to flex attention, an A100 loses fp8 too."""
+    from perf.tools.cross_compile import DEVICES_SM, describe_backend, target_backend
+    from perf.tools.fake_gpu import DEVICES
+
+    assert set(DEVICES_SM) == set(DEVICES)  # --help's list is the faked GPUs'
+    device = DEVICES[sm]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (device.major, device.minor))
+    backend = target_backend({})
+    assert (backend.sm, backend.fp8, backend.attention, backend.triton) == (sm, fp8, attention, True)
+    assert backend == detect({}, device="cuda")  # one function decides, for the run and the cross-compile
+    assert f"fp8 {'on' if fp8 else 'off'}, attention {attention}" in describe_backend(backend)
+    assert not target_backend({"SPEEDRUN_FP8": "0"}).fp8  # the run's switches apply
+    with pytest.raises(ConfigError, match="SPEEDRUN_COMPILE"):  # eager graphs are not what is cross-compiled
+        target_backend({"SPEEDRUN_COMPILE": "0"})
+
+
+def test_command_line_names_the_faked_gpu_and_the_world_size(capsys):
+    from perf.tools.cross_compile import parse_args
+
+    args = parse_args(["--config", "recipe", "--world-size", "1", "--sm", "89", "--steps", "0"])
+    assert (args.sm, args.world_size, args.steps) == (89, 1, [0])
+    assert parse_args(["--config", "recipe"]).world_size == 8  # default: one process per virtual rank
+    assert parse_args([]).sm == 90
+    for argv, message in ((["--sm", "75"], "argument --sm: invalid choice: 75 (choose from 90, 89, 80)"),
+                          (["--config", "recipe", "--world-size", "3"],
+                           "--world-size 3: --config recipe runs on 1, 2, 4, 8 processes")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_report_reads_the_wrapper_and_names_the_failing_op():
@@ -76,14 +117,14 @@ def test_report_reads_the_wrapper_and_names_the_failing_op():
     wrapped.__cause__ = lowering
     assert failing_op(wrapped) == "aten._scaled_mm.default"
     assert failing_op(ValueError("no op here")) == "ValueError"
-    from perf.tools.fake_sm90 import KernelCompileError
+    from perf.tools.fake_gpu import KernelCompileError
     kernel = KernelCompileError("triton_poi_fused__to_copy_clamp_124", RuntimeError("PassManager::run failed"))
     assert "inductor's fusion of _to_copy_clamp" in str(kernel)
     assert failing_op(RuntimeError(f"InductorError: {kernel}")) == "Triton kernel triton_poi_fused__to_copy_clamp_124"
 
 
 def test_fa3_check_passes_ops_with_fake_kernels_and_names_those_without():
-    from perf.tools.fake_sm90 import fa3_standin
+    from perf.tools.fake_gpu import fa3_standin
 
     ab.check_fa3_compilable(fa3_standin(), device="cpu")  # forward and backward trace
 
@@ -126,3 +167,24 @@ def test_a_smoke_training_geometry_compiles_for_sm90_forward_and_backward(smoke_
     for call in ("torch.ops.speedrun.scaled_mm.default", "torch.ops.speedrun_fa3_standin.varlen_fwd.default",
                  "torch.ops.speedrun_fa3_standin.varlen_bwd.default"):  # fp8 GEMMs; FA3 forward and backward
         assert call in externs, externs
+
+
+@pytest.mark.slow
+def test_an_l40s_compiles_flex_attention_and_the_fp8_mlp_with_one_pipeline_stage():
+    """What an L40S / RTX 4090 gets: flex attention (its FA3 fallback) forward and backward at the
+    recipe's head widths, tiles chosen for SM89 within its 99 KiB of shared memory per block, and in
+    an inference graph (a validation forward, which failed to lower before the mask's segment ids
+    became an opaque op); and the
+    fp8 MLP kernel whose record tile does not fit, recompiled with one stage as inductor does at first
+    launch (in the parent process, after a compile worker built it: --jobs 2)."""
+    code, out, err = _cross_compile("--sm", "89", "--jobs", "2", *(f"--function={CASES}:{name}" for name in (
+        "flex_attention_recipe_widths", "flex_attention_validation", "up_relu2_fp8_record_tile")))
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "NVIDIA L40S (SM89, sm_89 cubins); backend: fp8 on, attention flex" in out
+    seconds, inductor, project, cubins, extern = _row(out, "function flex_attention_recipe_widths")
+    assert int(inductor) >= 3 and int(cubins) >= int(inductor), out[-2000:]  # forward, backward, block mask
+    seconds, inductor, project, cubins, extern = _row(out, "function flex_attention_validation")
+    assert int(inductor) >= 2 and int(cubins) >= int(inductor), out[-2000:]  # forward, block mask
+    seconds, inductor, project, cubins, extern = _row(out, "function up_relu2_fp8_record_tile")
+    assert (int(project), int(cubins)) == (1, 2), out[-2000:]  # the 3-stage binary, then the 1-stage one
+    assert re.search(r"recompiled with one pipeline stage.*: _up_relu2_fp8_kernel \(128 KiB, one stage 48 KiB\)", out)
