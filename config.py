@@ -12,7 +12,7 @@ class ConfigError(ValueError):
     """The configuration of a run (flags, SPEEDRUN_* variables, preset) cannot work; raised before
     any work starts. `problems` holds one line each: the flag or variable, its value, what is
     allowed and the fix. Entry points print them as one-line errors and exit 2, no traceback
-    (config_check.exit_on_config_error); a traceback stays for bugs."""
+    (cli.exit_on_config_error); a traceback stays for bugs."""
 
     def __init__(self, problems: list[str] | str):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
@@ -85,7 +85,8 @@ class StageConfig:
     softmax_p: tuple[int, ...] = ()     # sampled-softmax candidates, equal parts; () = full softmax
 
 
-# record #360 (modules §7.3). lr_mul 1.52 ~ (16/8)^0.6 and 1.73 ~ (24/8)^0.5; the taper keeps 1.73
+# record #360 (track_1_short/config.py TRAINING_STAGES). lr_mul 1.52 ~ (16/8)^0.6 and 1.73 ~ (24/8)^0.5; the
+# taper keeps 1.73
 # scaled by sqrt(20/24) for its smaller batch; the extension's lr_mul is unused (lr is at the floor).
 RECORD_STAGES = (
     StageConfig(8 * TOKENS_PER_BATCH_UNIT, 896, 1, 3, 1.0, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0),
@@ -102,7 +103,7 @@ RECORD_STAGES = (
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """The five-stage schedule and every step-indexed switch (record #360, modules §7)."""
+    """The five-stage schedule and every step-indexed switch (record #360: track_1_short/schedule.py)."""
     stages: tuple[StageConfig, ...] = RECORD_STAGES
     base_steps: int = 1122                  # record #360: NUM_SCHEDULED_ITERATIONS default
     # Durations of stages 0..2 as fractions of base_steps (normalized by their sum, 0.9994); the
@@ -124,7 +125,7 @@ class ScheduleConfig:
     block_size: int = 128                   # record #360: tokens per window block
     virtual_seq_cap: int = 2560             # record #360: attention segments cut every 2560 tokens
     ws_post_yarn_ext: int = 20              # record #360: final validation long window (blocks)
-    # Tail averages (record #360, modules §8): windows in steps, rates per tick, ship blends.
+    # Tail averages (record #360: track_1_short/tail_average.py): windows in steps, rates per tick, ship blends.
     tail_ema_window: int = 298
     tail_ema_blend: float = 0.65
     tail_avg_window: int = 250
@@ -138,7 +139,8 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Optimizer constants (record #360 §3, modules §10.1). NorMuon's are record #89's."""
+    """Optimizer constants (record #360: track_1_short/optim/anvil.py and training.py). NorMuon's are
+    record #89's."""
     bank_optimizer: str = "anvil"           # "anvil" (record #360) or "normuon" (record #89)
     anvil_lr: float = 0.023                 # record #360
     anvil_weight_decay: float = 2.25        # record #360 (NorMuon: 1.2)
@@ -282,7 +284,7 @@ class RunConfig:
     features: FeatureConfig = FeatureConfig()  # ablation switches, all on (--set features.ngram=false)
     # ours: how long a rank waits in a collective for the others (the process group's timeout). Sized
     # against a cold compile: ranks compile each geometry between two collectives of the warmup, and
-    # one geometry of the record took up to 140 s to compile for SM90 on 2 CPU cores (perf.cross_compile);
+    # one geometry of the record took up to 140 s to compile for SM90 on 2 CPU cores (perf.tools.cross_compile);
     # 600 s leaves 4x for a rank whose compile cache is cold while the others' are warm.
     collective_timeout_s: int = 600
     # ours: where the n-gram table lives (perf/host_table.py): "device", "host" (host memory, rows
@@ -320,10 +322,12 @@ RUN_PRESETS = {
     "smoke": RunConfig(
         name="smoke", model=MODEL_PRESETS["smoke"], schedule=SCHEDULE_PRESETS["smoke"],
         optim=OPTIM_PRESETS["smoke"], device="auto", virtual_world_size=2,
-        allowed_world_sizes=(1, 2), requires_fast_path=False, data_path="data/tinyshakespeare",
+        allowed_world_sizes=(1, 2), requires_fast_path=False, data_path="data/synthetic",
         train_pattern="*_train_*.bin", val_pattern="*_val_*.bin",
-        # tinyshakespeare's documents (paragraphs) average ~46 tokens: 1024 per rank fit the
-        # 128-row cu_seqlens table. Validation steps of 2 × 1,024 tokens: the portable attention
+        # data/synthetic: the embedded corpus (data/synthetic.py), written there on first use; real
+        # text with --data-path (docs/data.md). Its documents average 128 tokens (tinyshakespeare's
+        # paragraphs ~46): up to 1,536 per rank fit the 128-row cu_seqlens table either way (data/loader.py).
+        # Validation steps of 2 × 1,024 tokens: the portable attention
         # and the full-vocabulary loss dominate a CPU validation, so a check validates on as few
         # tokens as it likes (--val-tokens 2048); the default keeps 32,768. Validating every 35
         # steps gives the untrained loss at step 0.

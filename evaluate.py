@@ -42,14 +42,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from cli import ArgumentParser, exit_on_config_error
 from config import (ConfigError, FeatureConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig,
                     StageConfig)
-from config_check import ArgumentParser, exit_on_config_error
 from data.loader import Batch, attention_segment_ends, cu_seqlens_rows, padded_cu_seqlens
 from data.ngram import ngram_row_ids, ngram_sign_rows
 from data.shards import BOS_ID
 from model.gpt import StepArgs
-from model.prefix import gpt2_encoding
+from model.prefix import gpt2_bpe_available, gpt2_encoding
 from perf import backend as perf_backend
 from records.run_log import REPO_ROOT, git_state
 from records.runs_log import append_run, now_iso
@@ -542,6 +542,10 @@ def main(argv=None) -> None:
         args = parse_args(argv)
         cfg, step = read_checkpoint(args.checkpoint)
         manager = check_tasks(args.task_names, args.data) if args.task_names else None
+        if not gpt2_bpe_available():  # tasks and prompts are text: GPT-2's BPE tokenizes them (training needs none)
+            raise ConfigError("tiktoken cannot load GPT-2's BPE files (no cache, no network): evaluate.py tokenizes "
+                              "tasks and prompts with them; set TIKTOKEN_CACHE_DIR to a folder holding them, or run "
+                              "`python -c \"import tiktoken; tiktoken.get_encoding('gpt2')\"` once online")
         # the execution path of the device the run lands on (the CPU's with --device cpu on a GPU
         # node), eager: no compile (every document length would be a graph), no CUDA graphs
         cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())

@@ -29,18 +29,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from cli import ArgumentParser, apply_overrides, exit_on_config_error
 from config import RUN_PRESETS, ConfigError, RunConfig, features_line
-from config_check import (ArgumentParser, apply_overrides, check_run, exit_on_config_error, records_folder,
-                          records_folder_problems, shard_globs)
+from config_check import check_run, records_folder, records_folder_problems, shard_globs
 from data.loader import TrainLoader
 from model.canonical_mask import CanonicalMaskBuild
-from model.prefix import build_prefix_table, build_prefix_table_sharded, gpt2_encoding
+from model.prefix import STORED_TABLE, build_prefix_table, build_prefix_table_sharded, gpt2_bpe_available
 from optim.schedule import TrainingSchedule
 from optim.tail_average import TailAverages
 from perf.collectives import named_timeouts
 from perf.compile import compiled_graphs
-from perf.cost import RunCost, device_peak, schedule_cost
-from perf.sync_check import host_side, sync_check
+from perf.checks.cost import RunCost, device_peak, schedule_cost
+from perf.checks.preflight import check_node
+from perf.checks.sync_check import host_side, sync_check
 from records.run_log import format_peak_memory_line, format_step_line, format_val_line
 from records.run_record import RunRecorder, check_finite
 from training import CheckpointError, Run, Setup, load_checkpoint, save_checkpoint
@@ -154,9 +155,9 @@ def garbage_collector_paused():
 
 
 def run_cost(cfg: RunConfig, setup: Setup, schedule: TrainingSchedule, log) -> RunCost:
-    """The run's tokens/s, MFU and peak fraction (perf/cost.py). The last two need the model's FLOPs
+    """The run's tokens/s, MFU and peak fraction (perf/checks/cost.py). The last two need the model's FLOPs
     per geometry, counted on "meta" before the warmup (seconds, off the clock), and the device's
-    datasheet peak: without one (a CPU, a GPU not in perf.cost's table) the log shows neither rather
+    datasheet peak: without one (a CPU, a GPU not in perf.checks.cost's table) the log shows neither rather
     than a wrong one."""
     peak = device_peak(torch.cuda.get_device_name(setup.device)) if setup.device.type == "cuda" else None
     if peak is None:
@@ -164,7 +165,7 @@ def run_cost(cfg: RunConfig, setup: Setup, schedule: TrainingSchedule, log) -> R
     cost = RunCost(schedule, schedule_cost(cfg, setup.world_size, optimizer=False), peak)
     log.print0(f"mfu: model FLOPs / (time × {peak.bf16_tflops:,.1f} TFLOP/s, the {peak.name}'s bf16 dense peak); "
                f"peak_fraction: each kind at its own peak ({peak.fp8_tflops:,.1f} fp8, {peak.bf16_tflops:,.1f} bf16) "
-               f"(perf/cost.py)", console=True)
+               f"(perf/checks/cost.py)", console=True)
     return cost
 
 
@@ -240,7 +241,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
             contextlib.ExitStack() as guards:
         log = rec.log
         setup = Setup(cfg)
-        setup.check(cfg)
+        check_node(cfg, setup.backend)  # the record's node checks (perf/checks/preflight.py)
         train_glob, val_glob = shard_globs(cfg)
         setup.init_process_group(cfg.collective_timeout_s)
         log.print0(f"config {cfg.name}: {setup.world_size} process(es) × {setup.accum} accumulation step(s) "
@@ -293,7 +294,10 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         mask_build = CanonicalMaskBuild(cfg.model.vocab_size) if cfg.canonical_mask and setup.is_master else None
 
         # the clock
-        gpt2_encoding()  # tiktoken's one-time BPE load (~0.2-0.9 s) off the clock; the prefix table reads it
+        # tiktoken's one-time BPE load (~0.2-0.9 s) off the clock; the prefix table reads it
+        if not gpt2_bpe_available() and cfg.features.prefix_loss:
+            log.print0(f"prefix table: tiktoken has no GPT-2 files here (no cache, no network): read from "
+                       f"{STORED_TABLE.name}, the same table (model/prefix.py)", console=True)
         validation_graphs = 0
         setup.synchronize()
         train_ms, t0 = 0.0, time.perf_counter()

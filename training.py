@@ -6,9 +6,9 @@
     warmup_steps the steps the untimed warmup visits (every geometry, and every CUDA-graph key twice)
     checkpoints  save_checkpoint / load_checkpoint
 
-It lives apart from train_gpt.py so that tools (perf/cuda_graphs/contract.py and capture.py, perf/cross_compile.py,
-perf/memory.py, the tests) build the run exactly as the script does without importing the script: nothing imports
-train_gpt.py, so no import circle runs through it (DESIGN.md, import rules).
+It lives apart from train_gpt.py so that tools (perf/tools/capture_contract.py and capture.py, perf/tools/cross_compile.py,
+perf/tools/memory.py, the tests) build the run exactly as the script does without importing the script: nothing imports
+train_gpt.py, so no import circle runs through it (docs/design.md, "Import rules").
 """
 from __future__ import annotations
 
@@ -34,16 +34,14 @@ from optim.manager import NgramRowOptimizer, OptimizerManager
 from optim.row_exchange import RowExchange
 from optim.schedule import StepWeights, TrainingSchedule
 from perf import backend as perf_backend
-from perf.attention_backends import assert_record_backends
-from perf.collective_order import CollectiveRecorder
+from perf.checks.collective_order import CollectiveRecorder
 from perf.compile import compile_model
 from perf.cuda_graphs.capture import RegionGraphs
-from perf.cuda_graphs.contract import run_state
+from perf.cuda_graphs.state import run_state
 from perf.host_table import HostRows, choose_placement
 from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS, roll_delayed_scales
 from perf.pinned_batches import PinnedBatchRing
-from perf.preflight import cheap_checks, raise_on_fail
-from perf.sync_check import host_side
+from perf.checks.sync_check import host_side
 from records.run_log import read_source
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -56,26 +54,26 @@ REPO_ROOT = Path(__file__).resolve().parent
 class Setup:
     """This process's place in the run: rank, world, device, and which virtual ranks it plays."""
 
-    def __init__(self, cfg: RunConfig):
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
-        if want_cuda:
-            torch.cuda.set_device(self.device)
-        self.backend = perf_backend.current()
+    def __init__(self, cfg: RunConfig, rank: int | None = None, world_size: int | None = None,
+                 device: torch.device | str | None = None, backend: perf_backend.Backend | None = None):
+        """From torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) and the detected backend; or,
+        with a device given, rank `rank` of `world_size` processes as given, no variable read and no
+        device made current: how the tools model one rank of a run on "meta" (perf/checks/meta_rank.py)."""
+        if device is None:
+            self.rank = int(os.environ.get("RANK", 0))
+            self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+            self.device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+            if want_cuda:
+                torch.cuda.set_device(self.device)
+        else:
+            self.rank, self.world_size, self.device = rank or 0, world_size or 1, torch.device(device)
+        self.backend = perf_backend.current() if backend is None else backend
         self.is_master = self.rank == 0
         # gradient accumulation: process p plays virtual ranks p·A .. p·A + A − 1
         self.accum = cfg.virtual_world_size // self.world_size
         self.virtual_ranks = list(range(self.rank * self.accum, (self.rank + 1) * self.accum))
-
-    def check(self, cfg: RunConfig) -> None:
-        """The record's node checks (the configuration itself was checked up front, config_check.py)."""
-        if cfg.requires_fast_path:  # a record run never falls back to a slower path
-            assert_record_backends(self.backend)
-            # the node's stack, GPUs, driver, CUDA 13 runtime, data, BPE files, disk, RAM, compiler
-            raise_on_fail(cheap_checks(cfg))
 
     def init_process_group(self, timeout_s: int) -> None:
         if self.world_size > 1:
@@ -121,25 +119,36 @@ class Run:
     samplers (`samplers` is empty); the model and the schedule drop the rest."""
 
     def __init__(self, cfg: RunConfig, setup: Setup):
+        """On a "meta" setup (`Setup(cfg, rank, world_size, device="meta", backend)`) this builds
+        one rank of the run as the tools count it (perf/checks/meta_rank.py), allocating and communicating
+        nothing: no seed (the tool's process keeps its random state), the model made on "meta" (no
+        host copy), no process group (no broadcast; the optimizer shards for the Setup's rank), the
+        n-gram table on the device (the tools place it themselves) and the reset snapshot on
+        "meta"; everything else as in a run."""
         self.cfg, self.setup = cfg, setup
-        if cfg.seed is not None:
+        on_meta = setup.device.type == "meta"
+        if cfg.seed is not None and not on_meta:
             torch.manual_seed(cfg.seed)
         features = cfg.features
         self.schedule = TrainingSchedule(cfg.schedule, features)
-        self.model = GPT(cfg.model, fp8=setup.backend.fp8, features=features).to(setup.device)
-        if setup.world_size > 1:  # every rank starts from rank 0's weights and sign pool
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            self.model = GPT(cfg.model, fp8=setup.backend.fp8, features=features).to(setup.device)
+        if setup.world_size > 1 and not on_meta:  # every rank starts from rank 0's weights and sign pool
             for t in [*self.model.parameters(), *([self.model.ngram_sign_pool] if features.ngram else [])]:
                 dist.broadcast(t.data, 0)
         self.table = self.table_placement = None
         if features.ngram:  # on the device, or in host memory when it does not fit (perf/host_table.py)
             lo, hi = ngram_shard_range(cfg.model.ngram_rows, setup.rank, setup.world_size)
-            placement, why = choose_placement(cfg.ngram_table, (hi - lo) * cfg.model.model_dim * 2, setup.device)
+            placement, why = choose_placement(cfg.ngram_table, (hi - lo) * cfg.model.model_dim * 2, setup.device) \
+                if not on_meta else ("device", "a rank modelled on meta")
             rows = HostRows(hi - lo, cfg.model.model_dim, torch.bfloat16, setup.device) if placement == "host" else None
             self.table = NgramTable(cfg.model, setup.rank, setup.world_size, device=setup.device, rows=rows)
             self.table_placement = f"n-gram table: {'host memory' if rows is not None else 'device memory'} ({why})"
         # keep_grads: gradients zeroed in place, never released (a captured backward adds into them)
         # defer_gathers (SPEEDRUN_DEFERRED_GATHERS): the bank all-gathers run between steps (`flush`)
+        # (a rank on "meta" has no process group: it shards as its Setup says)
         self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim, keep_grads=True,
+                                        layout=(setup.rank, setup.world_size) if on_meta else None,
                                         defer_gathers=setup.backend.deferred_gathers,
                                         absent=self.model.switched_off_parameters, local_ranks=setup.accum)
         if features.value_embeds:  # value_embeds' backward adds straight into the optimizer's fp16 cycle buffer (record #360)
@@ -161,7 +170,7 @@ class Run:
         # plain host copy otherwise. Tensors only: the YaRN scales (extra state) reset by reset_rotary.
         pin = setup.device.type == "cuda"
         self.initial_state = {
-            k: torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pin).copy_(v)
+            k: torch.empty(v.shape, dtype=v.dtype, device="meta" if on_meta else "cpu", pin_memory=pin).copy_(v)
             for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
         self.model.refresh_fp8()  # the fp8 weight caches, before the first training forward
         self.forward = compile_model(self.model, setup.backend)  # fullgraph; the module itself when not compiling
@@ -169,7 +178,7 @@ class Run:
         self.hash_sizes = ngram_hash_sizes(cfg.model) if features.ngram else NO_NGRAM
         # CUDA graphs (SPEEDRUN_CUDA_GRAPHS): train_step runs each capturable region through
         # run_region(name, key, fn); the warmup captures every key, the timed loop replays
-        # (perf/cuda_graphs/capture.py; on CPU its twin). perf/cuda_graphs/contract.py swaps its checker in as region_runner.
+        # (perf/cuda_graphs/capture.py; on CPU its twin). perf/tools/capture_contract.py swaps its checker in as region_runner.
         self.graphs = RegionGraphs.for_device(setup.device, lambda: run_state(self), strict=cfg.requires_fast_path) \
             if setup.backend.cuda_graphs else None
         self.region_runner = self.graphs.run if self.graphs is not None else run_eagerly
@@ -436,7 +445,7 @@ class Run:
             return [dummy_batch(tokens, schedule.doc_cap(step), seed=step, **self.hash_sizes)
                     for _ in self.setup.virtual_ranks]
 
-        # one order of collectives on every rank (perf/collective_order.py): each collective of the
+        # one order of collectives on every rank (perf/checks/collective_order.py): each collective of the
         # warmup is recorded with the run's position and its region call, and the ranks' sequences
         # and the ordering rule are checked at the end, off the clock (no collective on 1 process)
         recorder = CollectiveRecorder(lambda: self.position) if self.setup.world_size > 1 else None

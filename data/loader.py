@@ -1,6 +1,6 @@
 """Per-rank token batches: BOS-aligned training batches and the unaligned validation stream.
 
-Training (record #360 §6.4, modules §9.2): every step, all ranks split the same shared stream of
+Training (record #360: track_1_short/data.py): every step, all ranks split the same shared stream of
 documents the same way. Rank 0 takes documents from the next BOS on, each cut at the stage's doc
 cap, until it holds tokens_per_rank + 1 tokens (its last document is cut to fit, and its remainder
 is dropped); rank 1 continues at the following BOS, and so on. Inputs are the first T tokens, targets
@@ -41,11 +41,11 @@ from data.shards import BOS_ID, check_token_ids, load_shard, read_shard, shard_n
 # off): half_rows 0 means no hashing; the batches' ngram_ids and ngram_sign_rows are None.
 NO_NGRAM = {"ngram_half_rows": 0, "sign_pool_rows": 0}
 
-# Attention segments are cut every this many tokens inside a document (record #360 §6.2); only
+# Attention segments are cut every this many tokens inside a document (record #360's track_1_short/config.py); only
 # reached when the doc cap (3072 from stage 2) exceeds it. Batches report min(doc cap, this) as
 # max_seq_len.
 VIRTUAL_SEQ_CAP = 2560
-# cu_seqlens rows per tokens-per-rank (record #360, modules §9.2): fixed shapes per batch size.
+# cu_seqlens rows per tokens-per-rank (record #360: track_1_short/data.py): fixed shapes per batch size.
 CU_SEQLENS_ROWS = {16384: 64, 32768: 96, 40960: 128, 49152: 128}
 
 
@@ -312,7 +312,7 @@ def dummy_batch(tokens_per_rank: int, doc_cap: int, *, seed: int = 0, virtual_se
 def val_batches(files: str | Sequence[str | Path], rank: int, world_size: int, tokens_per_rank: int,
                 total_tokens: int, *, ngram_half_rows: int = NGRAM_HALF_ROWS,
                 sign_pool_rows: int = NGRAM_SIGN_POOL_ROWS, pin_memory: bool = False) -> Iterator[Batch]:
-    """The validation stream, unaligned (record #360, modules §9.3): step s gives rank r the tokens
+    """The validation stream, unaligned (record #360: track_1_short/data.py): step s gives rank r the tokens
     [pos + r T, pos + (r+1) T + 1) with pos = s W T, from the start of the first file on every call.
     Segments run BOS to BOS (a BOS at position 0 gives an empty first segment); no doc cap.
 

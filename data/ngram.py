@@ -5,7 +5,7 @@ Every position t of a rank's packed input stream x[0..T-1] reads two rows of the
 pool. The hashes run over the whole packed stream, not per document, so n-grams span document
 boundaries. All products are int32 and wrap on overflow; `%` is the floor (Python-sign) modulo and
 `& (pool_rows - 1)` takes the two's-complement low bits, so every id is non-negative. The loader
-calls these once per batch (record #360, modules §4.2-4.3).
+calls these once per batch (record #360: track_1_short/ngram_table.py).
 
     from data.ngram import ngram_row_ids, ngram_sign_rows, NGRAM_HALF_ROWS
     rows = ngram_row_ids(inputs, NGRAM_HALF_ROWS)  # (2T,) int32
@@ -21,13 +21,13 @@ import torch
 
 from config import ModelConfig
 
-# Table size (record #360, modules §4.1): 84,602,880 rows, bigram half [0, h), trigram half [h, 2h).
+# Table size (record #360: track_1_short/ngram_table.py): 84,602,880 rows, bigram half [0, h), trigram half [h, 2h).
 # The defaults are the record model's; other presets go through ngram_hash_sizes.
 NGRAM_ROWS = ModelConfig().ngram_rows  # record #360: 84,602,880
 NGRAM_HALF_ROWS = NGRAM_ROWS // 2  # 42,301,440
-NGRAM_SIGN_POOL_ROWS = ModelConfig().ngram_sign_rows  # record #360 (modules §4.3): 8192 rows of +-1
+NGRAM_SIGN_POOL_ROWS = ModelConfig().ngram_sign_rows  # record #360 (track_1_short/ngram_table.py): 8192 rows of +-1
 
-# Odd multipliers of the hashes (record #360, modules §4.2 and §4.3), ordered x[t], x[t-1], x[t-2].
+# Odd multipliers of the hashes (record #360: track_1_short/ngram_table.py), ordered x[t], x[t-1], x[t-2].
 BIGRAM_ROW_MULS = (36313, 27191)
 TRIGRAM_ROW_MULS = (17351, 60961, 45259)
 BIGRAM_SIGN_MULS = (48271, 30011)

@@ -18,15 +18,16 @@ from pathlib import Path
 
 import numpy as np
 
-# The upstream shard format (record #89 §7.1, record #360 §6.4): magic, version, 256-int32 header.
+# The upstream shard format (record #89's train_gpt.py, record #360's track_1_short/data.py): magic,
+# version, 256-int32 header.
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-BOS_ID = 50256  # GPT-2 <|endoftext|>, written before every document (record #89 §7.1)
-VOCAB_SIZE = 50257  # GPT-2's vocabulary (record #360 §2); every token id is below it
+BOS_ID = 50256  # GPT-2 <|endoftext|>, written before every document (record #89's train_gpt.py)
+VOCAB_SIZE = 50257  # GPT-2's vocabulary (record #360: track_1_short/model/gpt.py); every token id is below it
 # Parallel preads per shard read: one thread's readinto leaves disk/page-cache bandwidth unused
-# (record #360 §6.4 reads with 4).
+# (record #360's track_1_short/data.py reads with 4).
 READ_THREADS = 4
 
 

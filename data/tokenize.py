@@ -35,7 +35,7 @@ from tqdm import tqdm  # noqa: E402
 
 from data.shards import BOS_ID, write_shard  # noqa: E402
 
-SHARD_TOKENS = 100_000_000  # FineWeb shards hold 100M tokens (record #89 §7.1)
+SHARD_TOKENS = 100_000_000  # FineWeb shards hold 100M tokens (record #89's train_gpt.py)
 DOCS_PER_TASK = 512  # documents per worker task: big enough to amortize pickling, small for progress
 
 _encoding = None  # per worker process

@@ -13,7 +13,7 @@ perf/kernels/qkv_rope.py `fp8_qkv_rope`: the input quantize, the GEMM, the QK-no
 fewer launches (bitwise this path's on the portable backend).
 The O weight (bf16 in both) carries sa1 and, when given, the layer's attention post-λ (`o_gain`):
 out = y·bf16(sa1·o_gain·W_O)ᵀ, one rounding of the product, so p's gradient is a reduction over the
-weight instead of over the [T, D] output (record #360 §4.2).
+weight instead of over the [T, D] output (record #360: track_1_short/model/attention.py).
 """
 from __future__ import annotations
 

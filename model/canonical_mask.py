@@ -5,18 +5,19 @@ context, so the final validation's softmax may drop class x on a row whose input
 softcapped logit becomes −60. On tokenizer-produced text the true target is never dropped (bar the
 record's 11 bits below), so the mask can only lower the loss. Validation only; training never sees it.
 
-How the bits are found (record #360 modules §6.2). Inside one pretoken, byte-level BPE applies
-merges in rank order. Re-running BPE on each token's own bytes gives the merge (a, b) that forms
-token r (its id is that merge's rank) and, for every token, which piece sits at its first and at
-its last position at each "time" (rank). If p ends in piece a and x starts with piece b when the
-tokenizer reaches rank r, and p and x meet inside one pretoken, merge r fires across the seam and
-[.., p, x, ..] cannot survive. So M[p, x] = 1 for every p in ps(r) and x in xs(r), when the
-pretokenizer classes at the seam (whitespace, number, letter, other, mid-character) keep p's end
-and x's start in one pretoken. Pairs whose answer depends on the surrounding text stay 0: tokens
-ending in a contraction ('s 't 're 've 'm 'll 'd) mask nothing, and no x starting inside a UTF-8
-character is masked. One case the record misses: a token whose last bytes complete a character begun
-in an earlier token (an emoji's tail, say) has an unknown class at its end, yet the record's table
-lets it mask; 11 bits, some of which GPT-2 does emit ('😑士'). strict=True leaves those rows unset.
+How the bits are found (record #360: track_1_short/canonical_mask.py, from PR #350). Inside one
+pretoken, byte-level BPE applies merges in rank order. Re-running BPE on each token's own bytes
+gives the merge (a, b) that forms token r (its id is that merge's rank) and, for every token, which
+piece sits at its first and at its last position at each "time" (rank). If p ends in piece a and x
+starts with piece b when the tokenizer reaches rank r, and p and x meet inside one pretoken, merge r
+fires across the seam and [.., p, x, ..] cannot survive. So M[p, x] = 1 for every p in ps(r) and x
+in xs(r), when the pretokenizer classes at the seam (whitespace, number, letter, other,
+mid-character) keep p's end and x's start in one pretoken. Pairs whose answer depends on the
+surrounding text stay 0: tokens ending in a contraction ('s 't 're 've 'm 'll 'd) mask nothing, and
+no x starting inside a UTF-8 character is masked. One case the record misses: a token whose last
+bytes complete a character begun in an earlier token (an emoji's tail, say) has an unknown class at
+its end, yet the record's table lets it mask; 11 bits, some of which GPT-2 does emit ('😑士').
+strict=True leaves those rows unset.
 
 Storage: uint8 [V, ceil(V/8)], little-endian bits (bit x of row p = bit x % 8 of byte x // 8),
 316 MB for V = 50304. Rows and columns of ids outside the BPE ranks (50256 <|endoftext|>, the pads
@@ -51,7 +52,7 @@ WAIT_TIMEOUT_S = 60.0  # record #92 (PR #350): then the child is killed and the 
 POLL_INTERVAL_S = 0.05  # record #92 (PR #350)
 ROWS_PER_BLOCK = 1024  # rows filled as dense bool (50 MB) and packed at a time; speed/memory only
 
-# Pretokenizer character classes at a token's edges (modules §6.2).
+# Pretokenizer character classes at a token's edges (track_1_short/canonical_mask.py).
 WHITESPACE, NUMBER, LETTER, OTHER, MID_CHAR = range(5)
 # SEAM_OK[end class of p, start class of x]: may p's end and x's start sit in one pretoken?
 SEAM_OK = np.ones((5, 5), dtype=bool)

@@ -1,6 +1,6 @@
 """The record #360 GPT (ANVIL2, README record #92): 11 layers, attention on 7 of them, MUDD, gates.
 
-Topology (record_360_modules.md §1): attention on layers (0,1,2,3,5,8,10) with head widths
+Topology (record #360: track_1_short/model/gpt.py): attention on layers (0,1,2,3,5,8,10) with head widths
 (d_qk, d_v) = (64,128) paired on 0,2,5, (64,64) on 1,8, (128,128) long-window + key offset on 3,10;
 XSA on 1,3; output gates on 3,10; value embeddings on 1,2,8 (learned gates) and 10 (MUDD gates);
 x0 injections on (0,1,2,4,5,7), n-gram injections on (0 pre-loop,1,4,5,9); a gated skip from
@@ -8,7 +8,7 @@ cache[3] at layer 6; layer 7 only scales the residual; a parallel MLP at layer 8
 MUDD at layer 10 (14 coefficients) and after the loop (10 sources, 12 channel-group deltas); the
 pre gate (23 lanes, from x0) and the post gate (13 lanes, at layer 4).
 
-The residual updates use the fusions of perf/residual_fusion.py (record #360 §4): `scale` /
+The residual updates use the fusions of perf/residual_fusion.py (record #360; docs/design.md): `scale` /
 `scale_add` with 0-D λ's, the attention post-λ carried into the O weight (`o_gain`), the MLP post-λ
 folded into the fp8 down-projection scale in training (`scale_add` with the bf16 MLP otherwise),
 and `rms_norm_with_head` for the value-embedding gates. `fused_residuals=False` runs the plain
@@ -29,8 +29,9 @@ Hooks for the training loop: `refresh_fp8()` after every optimizer step; `rearm_
 post-warmup reset; `rescale_rotary(old, new)` when the (ws_short, ws_long) windows change (YaRN);
 `set_prefix_table(build_prefix_table(V))` once the table is built (model/prefix.py);
 `value_embed_grad_buffer = manager.cycle_gradient("value_embeds")` once, so the value-embedding
-backward adds its row sums straight into the optimizer's fp16 cycle buffer (record #360 modules
-§10.5: `value_embeds` then never gets a dense `.grad`; without it the gradient is dense bf16).
+backward adds its row sums straight into the optimizer's fp16 cycle buffer (record #360:
+track_1_short/perf/value_embed_pull.py; `value_embeds` then never gets a dense `.grad`; without it
+the gradient is dense bf16).
 
 Feature switches (config.FeatureConfig, `--set features.X=false`): without `ngram` the model has no
 sign pool, no n-gram embedding and no n-gram injection (forward takes ngram_rows = ngram_sign_rows =
@@ -61,7 +62,7 @@ from perf.kernels.mlp import Fp8MLPState
 from perf.kernels.ngram_embed import ngram_embed
 from perf.residual_fusion import rms_norm_with_head, scale, scale_add
 
-# --- topology (record #360 modules §1.1) -----------------------------------------------------------
+# --- topology (record #360: track_1_short/model/gpt.py) ---------------------------------------------
 NUM_LAYERS = 11
 ATTN_LAYERS = (0, 1, 2, 3, 5, 8, 10)
 NO_MLP_LAYERS = (7,)
@@ -89,7 +90,7 @@ ATTN_BANK_ORDER = (0, 2, 5, 1, 8, 3, 10)  # bank slot j belongs to layer ATTN_BA
 BANK_SLOTS_PADDED = 8  # record #360: qk/vo banks padded to 8 slots so 8 ranks shard them evenly
 NARROW_ATTN_SCALE, WIDE_ATTN_SCALE = 0.13, 0.085  # record #360: initial softmax scales
 WINDOW_BLOCK = 128  # record #360: windows are counted in 128-token blocks
-# --- initialization (record #360 modules §1.2) ----------------------------------------------------
+# --- initialization (record #360: track_1_short/model/gpt.py) ---------------------------------------
 RESID_LAMBDA_INIT = math.sqrt(1.1)
 SA_LAMBDA_INIT = (0.5, 1.0)  # on the QKV weight, on the O weight
 SMEAR_LAMBDA_INDEX, SKIP_LAMBDA_INDEX = 2 * NUM_LAYERS, 2 * NUM_LAYERS + 1
@@ -193,7 +194,7 @@ class GPT(nn.Module):
         # Layer 7 has no MLP, so its bank slot (slot i serves layer i) is never read. The optimizer
         # (optim/manager.py) reads this set of indices into the bank's [24, H_mlp, D] matrix view,
         # (c_fc, c_proj) = (14, 15), and gives them lr 0: they never move, decay included
-        # (record #360 modules §10.2).
+        # (record #360: track_1_short/training.py's optimizer table).
         self.mlp_bank.frozen_matrices = frozenset(2 * layer + k for layer in NO_MLP_LAYERS for k in (0, 1))
 
         # switched-off features register nothing (the MUDD gates keep their n-gram lanes and the

@@ -2,8 +2,8 @@
 the prefix-token auxiliary term, the sampled (candidate-set) softmax, and the validation loss.
 
 The training loss is defined here, in plain torch (`softcap`, `candidate_positions`,
-`softcapped_ce`). Softcap: z = 23·σ((ℓ + 5)/7.5). Training loss of token t (record #360 modules
-§5.2), summed over the rank's tokens (not averaged):
+`softcapped_ce`). Softcap: z = 23·σ((ℓ + 5)/7.5). Training loss of token t (record #360:
+track_1_short/model/gpt.py `_loss`), summed over the rank's tokens (not averaged):
     L_t = Σ_k [t+k < T]·w_k·(lse_t − z_t[y_{t+k}]) + [p_t ≥ 0]·w_p·(lse_t − z_t[p_t])
 with the MTP weights w_k, p_t = prefix_table[y_t] and lse_t = ln Σ_c exp z_tc over the full
 vocabulary or over the step's candidate set C. MTP targets are the following rows' next-token
@@ -154,7 +154,7 @@ def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, inputs: Tenso
 
 
 class CandidateSampler:
-    """The sampled softmax's candidate sets (record #360 modules §3.2): no RNG, one set per step.
+    """The sampled softmax's candidate sets (record #360: track_1_short/sampled_softmax.py): no RNG, one set per step.
 
     Every class that occurs as a target is in; the remaining P − U slots are negatives from a
     stride sweep over the vocabulary, each rank starting at its own offset V·rank/world_size.

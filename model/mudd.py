@@ -7,7 +7,7 @@ Two small MLPs (D → hidden, exact GELU → n) produce per-token scalars:
 * gates (`mudd_gate_w1` [2, h, D], `mudd_gate_w2` [2, 23, h], `mudd_gate_b2` [2, 23], learned
   0-D scale `mudd_gate_scale`): the pre gate (23 lanes, from x0) and the post gate (13 lanes, from
   the residual at layer 4's start).
-Biases are stored divided by the output scale (record #360 modules §1.3, §1.4).
+Biases are stored divided by the output scale (record #360: track_1_short/model/gpt.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ POST_LOOP_MUDD_COEFS = 10  # record #360: the post-loop mix's sources
 PRE_GATE_LANES = 23  # record #360: XSA 12, attention gate 6, x0 3, n-gram 2
 POST_GATE_LANES = 13  # record #360: attention gate 6, x0 3, n-gram 3, skip 1
 
-# Lane layouts (record #360 modules §1.4); per-token scalars, each [T] after unpacking.
+# Lane layouts (record #360: track_1_short/model/gpt.py); per-token scalars, each [T] after unpacking.
 PRE_GATE_XSA = {1: slice(0, 6), 3: slice(6, 12)}
 PRE_GATE_ATTN_GATE = {3: slice(12, 18)}
 PRE_GATE_X0 = {0: 18, 1: 19, 2: 20}

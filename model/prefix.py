@@ -17,9 +17,20 @@ the next token). The table is built per run, on the clock (record #360), two way
   falls in its bucket and an all_reduce(MAX) merges them. The lookup needs no closure argument and
   gives contiguous slices, which an all-gather assembles without a reduction.)
 
+The table comes from tiktoken's GPT-2 files when tiktoken has them (cached, or downloadable now);
+where it has neither (a fresh clone offline), from the copy stored beside this file
+(gpt2_prefix_table.npy.gz, the whole build's result for all 50,257 ids, 118 KB): the same numbers,
+which tests/model/test_model_prefix.py rebuilds from tiktoken wherever its files are present.
+
     python -m model.prefix     # prints a few entries and the build times (needs tiktoken's cached GPT-2 BPE)
+    python -m model.prefix --write-stored   # rewrites the stored copy from tiktoken's files
 """
 from __future__ import annotations
+
+import functools
+import gzip
+import io
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,11 +40,48 @@ from torch import Tensor
 from perf.collectives import all_gather_single
 
 
+# ours: the whole build over GPT-2's 50,257 ids (int32 .npy, gzipped), for machines whose tiktoken
+# has no GPT-2 files and no network to fetch them
+STORED_TABLE = Path(__file__).with_name("gpt2_prefix_table.npy.gz")
+GPT2_IDS = 50257
+
+
 def gpt2_encoding():
     """tiktoken's GPT-2 encoding (read from TIKTOKEN_CACHE_DIR; tiktoken keeps it once loaded)."""
     import tiktoken
 
     return tiktoken.get_encoding("gpt2")
+
+
+@functools.cache
+def gpt2_bpe_available() -> bool:
+    """Whether tiktoken can load GPT-2's BPE files (from its cache, or downloaded now): True loads
+    them (the one-time load a run does off the clock); False sends the builds to STORED_TABLE."""
+    try:
+        gpt2_encoding()
+    except Exception:  # no cached files and no network (requests' errors), a bad download (ValueError), ...
+        return False
+    return True
+
+
+def stored_prefix_table(vocab_size: int) -> Tensor:
+    """int64 [vocab_size]: build_prefix_table(vocab_size) read from STORED_TABLE (a prefix whose id
+    is past the table is −1, as in the build; ids past GPT-2's are −1)."""
+    with gzip.open(STORED_TABLE, "rb") as f:
+        stored = np.load(io.BytesIO(f.read())).astype(np.int64)  # (50257,)
+    table = np.full(vocab_size, -1, dtype=np.int64)
+    n = min(vocab_size, stored.size)
+    table[:n] = np.where(stored[:n] < vocab_size, stored[:n], -1)
+    return torch.from_numpy(table)
+
+
+def write_stored_table(path: Path = STORED_TABLE) -> None:
+    """Rebuild the stored copy from tiktoken's files (byte-stable: gzip without a timestamp)."""
+    buffer = io.BytesIO()
+    np.save(buffer, build_prefix_table(GPT2_IDS, gpt2_token_bytes()).numpy().astype("<i4"))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(gzip.compress(buffer.getvalue(), compresslevel=9, mtime=0))
+    tmp.replace(path)
 
 
 def gpt2_token_bytes() -> dict[bytes, int]:
@@ -42,7 +90,10 @@ def gpt2_token_bytes() -> dict[bytes, int]:
 
 
 def build_prefix_table(vocab_size: int, token_bytes: dict[bytes, int] | None = None) -> Tensor:
-    """int64 [vocab_size]: the longest proper byte-prefix token of each id, −1 where none."""
+    """int64 [vocab_size]: the longest proper byte-prefix token of each id, −1 where none. GPT-2's
+    (token_bytes None) from tiktoken's files, else from the stored copy."""
+    if token_bytes is None and not gpt2_bpe_available():
+        return stored_prefix_table(vocab_size)
     token_bytes = gpt2_token_bytes() if token_bytes is None else token_bytes
     # a Python list, made a tensor once: 50k single-element tensor writes cost ~0.1 s on a CPU core
     table = [-1] * vocab_size
@@ -97,6 +148,8 @@ def build_prefix_table_slice(vocab_size: int, rank: int, world_size: int,
     """int64 [hi − lo]: build_prefix_table(vocab_size)[lo:hi] for this rank's ids [lo, hi) (see
     prefix_slice_bounds), computed from those ids alone."""
     lo, hi = prefix_slice_bounds(vocab_size, rank, world_size)
+    if token_bytes is None and not gpt2_bpe_available():
+        return stored_prefix_table(vocab_size)[lo:hi]
     ranks, strings = _slice_bytes(token_bytes, lo, hi)
     get = ranks.get
     out = [-1] * (hi - lo)
@@ -137,7 +190,15 @@ def build_prefix_table_sharded(vocab_size: int, rank: int, world_size: int, devi
 
 
 if __name__ == "__main__":
+    import sys
     import time
+
+    if sys.argv[1:] == ["--write-stored"]:
+        if not gpt2_bpe_available():
+            raise SystemExit("tiktoken cannot load GPT-2's BPE files (no cache, no network): set TIKTOKEN_CACHE_DIR")
+        write_stored_table()
+        print(f"wrote {STORED_TABLE}")
+        raise SystemExit(0)
 
     def best_ms(fn, repeats: int = 5) -> float:  # the least of a few runs: a shared CPU is noisy
         times = []

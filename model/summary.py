@@ -4,18 +4,18 @@ built on the meta device, so the record size costs no memory:
     python -m model.summary --config record                           # or dev, smoke
     python -m model.summary --config smoke --set features.ngram=false # a feature switched off
 
-What one rank of a training run holds in device memory is `python -m perf.memory` (it builds the
+What one rank of a training run holds in device memory is `python -m perf.tools.memory` (it builds the
 optimizer and the n-gram table too, which the model does not import).
 """
 from __future__ import annotations
 
 import torch
 
+from cli import parse_preset_args
 from config import RUN_PRESETS, FeatureConfig, ModelConfig
-from config_check import parse_preset_args
 from model.gpt import GPT
 
-# Optimizer of each parameter in record #360 (modules §10.2): ANVIL on the three banks, Adam on the rest.
+# Optimizer of each parameter in record #360 (track_1_short/training.py): ANVIL on the three banks, Adam on the rest.
 OPTIMIZER_GROUPS = {
     "qk_bank": "anvil", "vo_bank": "anvil", "mlp_bank": "anvil",
     "value_embeds": "adam (row-sparse)", "lm_head.weight": "adam (sharded)", "embed.weight": "adam (sharded)",

@@ -2,7 +2,7 @@
 decay (every non-bank parameter), the value-embedding schedule change at step 336, the
 lm_head -> embed moment transfer at the split, and the row-sparse Adam of the n-gram table.
 
-Reference: record_360.md §3.3, record_360_modules.md §4.4-4.5 and §10.2-10.6. The table is keyed by
+Reference: record #360's track_1_short/training.py (the table, the tie) and ngram_table.py. The table is keyed by
 the model's `named_parameters()` names; `build_param_table` fails, naming the parameter, when a
 parameter has no entry (or an entry has no parameter), so a new parameter cannot silently go
 untrained.
@@ -43,7 +43,7 @@ def _adam(betas, lr_mul=1.0, wd_mul=1.0, comms="replicated", cadence="adam") -> 
 
 _BANK = ParamRule("bank", "sharded", "every")
 
-# record #360 (modules §10.2): betas; lr_mul; wd_mul. The bank shape multiplier and per-matrix
+# record #360 (track_1_short/training.py): betas; lr_mul; wd_mul. The bank shape multiplier and per-matrix
 # multipliers are applied by optim/manager.py.
 RECORD_PARAM_TABLE: dict[str, ParamRule] = {
     "qk_bank": _BANK,
@@ -163,7 +163,7 @@ def embed_moments_from_lm_head(lm_head_moment: Tensor) -> Tensor:
 
 # --- the n-gram table's row-sparse Adam -------------------------------------------------------
 
-# record #360 (modules §4.4): 382 table events in a record run (168 every 2nd step, then 214 every
+# record #360 (track_1_short/ngram_table.py): 382 table events in a record run (168 every 2nd step, then 214 every
 # 4th); the replay table starts with room for them and doubles (a device copy) past it.
 RECORD_TABLE_EVENTS = 382
 
@@ -194,7 +194,7 @@ class RowAdamState:
 def row_sparse_adam_event(shard: Tensor, state: RowAdamState, local_rows: Tensor, grad_sum: Tensor,
                           lr: float, beta2: float, weight_decay: float, world_size: int,
                           eps: float = 1e-10, host_rows=None) -> Tensor:
-    """One table event on this rank's shard (record #360, modules §4.5), with no host sync.
+    """One table event on this rank's shard (record #360: track_1_short/ngram_table.py), with no host sync.
 
     local_rows: (M,) int64, the distinct touched rows (indices into shard); grad_sum: (M, D), their
     gradients summed over ranks and the cycle's steps. lr is the effective lr (0.008 * schedule *

@@ -5,7 +5,7 @@ and sign-aligned (cautious) decay on an fp32 master weight kept as bf16 + a uint
 This is the portable definition (plain PyTorch, bf16 matmuls as on the GPU). It works on one
 rank's chunk of a bank: a [matrices, rows, cols] bf16 view. Sharding, comms and the schedule live
 in optim/manager.py; NorMuon (record #89), which shares the equalizer and the master-weight
-update, is in optim/normuon.py. Reference: record_360.md §3.
+update, is in optim/normuon.py. Reference: record #360's track_1_short/optim/anvil.py.
 """
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ def lane_energy_shape(chunk_shape) -> tuple[int, ...]:
 
 
 def lane_equalize(v: Tensor, lane_energy: Tensor, beta2: float) -> Tensor:
-    """NorMuon's per-lane variance estimator (record #89 §6.5, record #360 step 5), in place on v.
+    """NorMuon's per-lane variance estimator (record #89's train_gpt.py, record #360's
+    track_1_short/optim/anvil.py step 5), in place on v.
 
     Each lane is scaled by rsqrt(EMA of its mean squared update), then the whole matrix is
     rescaled to its pre-equalization Frobenius norm. lane_energy (fp32) is updated in place."""

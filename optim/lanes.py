@@ -57,13 +57,15 @@ class Lanes:
     def load(self, lane: int) -> None:
         """The live tensors ← lane `lane`'s copies (before that virtual rank's forward-backward)."""
         self._track(lambda t: t.detach().clone())
-        torch._foreach_copy_(self.live, [c[lane] for c in self.copies])
+        if self.live:  # nothing yet: no gradient before the first backward, no fp8 state without fp8
+            torch._foreach_copy_(self.live, [c[lane] for c in self.copies])
 
     @torch.no_grad()
     def save(self, lane: int) -> None:
         """Lane `lane`'s copies ← the live tensors (after its backward and its gradient folds)."""
         self._track(lambda t: torch.zeros_like(t))
-        torch._foreach_copy_([c[lane] for c in self.copies], self.live)
+        if self.live:
+            torch._foreach_copy_([c[lane] for c in self.copies], self.live)
 
     @torch.no_grad()
     def reduce(self, tensors: Iterable[Tensor]) -> None:

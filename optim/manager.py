@@ -1,5 +1,5 @@
 """The optimizer of a run: every model parameter's update, sharded over ranks, with the
-communication order of record #360 (record_360.md §3, §7; modules §10).
+communication order of record #360 (track_1_short/training.py, track_1_short/optim/anvil.py).
 
     manager = OptimizerManager(model.named_parameters(), TrainingSchedule(sched_cfg), OptimConfig())
     for step in range(schedule.total_steps):
@@ -62,7 +62,7 @@ from perf.kernels.transpose import transpose_add_, transpose_into
 from perf.pinned_batches import PinnedStaging
 
 
-# record #360 (§7): launch the big bank reduce-scatters first; update the small parameters while
+# record #360 (track_1_short/training.py): launch the big bank reduce-scatters first; update the small parameters while
 # they are in flight; the mlp bank (largest gather) last. Replicated params go in phase 0.
 SCATTER_ORDER = ("qk_bank", "vo_bank", "mlp_bank", VALUE_EMBEDS, LM_HEAD, EMBED)
 WORK_ORDER = ("qk_bank", "vo_bank", LM_HEAD, EMBED, VALUE_EMBEDS, "mlp_bank")
@@ -153,7 +153,7 @@ class ScalarTable:
     """Every entry's 0-D device scalars (Entry.scalars) as views of one fp32 device table, written
     from a host copy through reused pinned buffers: one host→device copy per step
     (`OptimizerManager.load_scalars`) where a fill_ per scalar was a launch each (4 per bank, 2 per
-    Adam parameter: 42 at an Adam step of the record; perf/bench_host.py counts them). The host
+    Adam parameter: 42 at an Adam step of the record; perf/tools/bench_host.py counts them). The host
     copy keeps every scalar's current value, so the copy leaves the entries a step does not update
     as they were; the values are rounded to fp32 on the host as fill_ rounds them (bitwise the same
     device scalars). Built before any write, when the scalars still hold their initial zeros."""
@@ -192,8 +192,9 @@ class OptimizerManager:
         frozen_matrices: bank name -> matrix indices (of the [matrices, rows, cols] view) that get
         lr 0 and so never move. Without it, a bank's own `frozen_matrices` attribute is used (the
         record model marks mlp slot 7, layer 7 having no MLP: matrices 14 and 15).
-        layout: (rank, world_size) to shard for instead of the process group's, for sizing the
-        states without one (perf/memory.py); such a manager must not step.
+        layout: (rank, world_size) to shard for instead of the process group's, for a rank without
+        one: a training.Run on "meta", as the tools model a rank (perf/checks/meta_rank.py), whose
+        collectives they replace.
         keep_grads: zero the consumed gradients in place instead of releasing them (`p.grad = None`),
         so the next backward accumulates into the same storage: what a captured backward and update
         need (training.Run). The values are bitwise the same (x + 0 is x).
@@ -652,8 +653,8 @@ class OptimizerManager:
 # --- the n-gram table -----------------------------------------------------------------------------
 
 class NgramRowOptimizer:
-    """Row-sparse Adam of the n-gram table on this rank's contiguous row shard (record #360,
-    modules §4.4-4.5), with no host sync on the device side.
+    """Row-sparse Adam of the n-gram table on this rank's contiguous row shard (record #360:
+    track_1_short/ngram_table.py), with no host sync on the device side.
 
     Each step's sink gradient (2T, D) is merged per distinct row with its pull plan's inverse
     (fp32 index_add_ from zero, in position order) and held with the plan. At a table event

@@ -1,5 +1,5 @@
 """NorMuon, record #89's bank optimizer, kept so researchers can compare ANVIL against it
-(`OptimConfig.bank_optimizer = "normuon"`). Reference: record_89.md §6.4-6.6.
+(`OptimConfig.bank_optimizer = "normuon"`). Reference: record #89's train_gpt.py (PR #342), NorMuonAndAdam.
 
 Differences from ANVIL (optim/anvil.py): one momentum buffer instead of two rails; a separate
 Frobenius-norm pass (margin 1.02) then 5 Polar Express maps instead of 6 ANVIL maps; cautious
@@ -12,7 +12,7 @@ from torch import Tensor
 
 from optim.anvil import BankState, BankStepScalars, cautious_master_update, lane_equalize, quintic_maps
 
-# Polar Express coefficients for 5 iterations, safety factor 2e-2, cushion 2 (record #89 §6.5).
+# Polar Express coefficients for 5 iterations, safety factor 2e-2, cushion 2 (record #89's train_gpt.py).
 POLAR_EXPRESS_MAPS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),

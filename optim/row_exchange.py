@@ -1,6 +1,6 @@
 """The n-gram table's row exchange, planned on the host: which rank asks which rows of whom, so
 that the device only moves exactly the requested rows, with sizes it never has to read back
-(record #360, modules §4.5 "RowOwners"; upstream track_1_short plans the same way).
+(record #360: RowOwners in track_1_short/sharded_rows.py plans the same way).
 
 The table (record: 84,602,880 rows of 768 bf16) is split into contiguous equal per-rank ranges,
 rank r owning [r·R, (r+1)·R) with R = num_rows // W (model/embeddings.py `ngram_shard_range`).
@@ -22,7 +22,7 @@ masks, nothing read back, so a GPU never waits on the host for this.
     ngram_opt.accumulate(plan, rows.grad)          # optim/manager.py NgramRowOptimizer
     ngram_opt.step(step)                           # at table events: exchange.push, row-sparse Adam
 
-Host cost (perf/bench_host.py): the plan's sort of the batch's 2T ids is one np.sort of packed
+Host cost (perf/tools/bench_host.py): the plan's sort of the batch's 2T ids is one np.sort of packed
 (id, position) keys (`unique_inverse`). Work that can start before it is needed runs on the
 exchange's prep thread (numpy only; the host collectives stay on the caller's thread, in its
 order): `prepare(ids)` sorts a request ahead (training.Run.prefetch, for the step after a table
@@ -35,7 +35,7 @@ The ids go over the host group (not the device) because the owner needs them on 
 table event it plans its gradient merge (which rows it receives from whom, their distinct set and
 the merge index) from the ids it was asked for during the cycle, and a device copy of them could
 only be read back with a sync. The push then reuses the pull's routes reversed: no count or id
-exchange at events. Traffic per rank (perf/bench_rows.py measures it on real text): the pull
+exchange at events. Traffic per rank (perf/tools/bench_rows.py measures it on real text): the pull
 sends each owner its distinct ids (int64, host group) and gets back exactly those rows (bf16);
 the push sends each owner one fp32 row per distinct row of the cycle it owns.
 """
@@ -150,7 +150,9 @@ class RowExchange:
     a CPU (gloo) process group for the host metadata. Default: on world_size > 1 with a non-gloo
     default backend (NCCL), a new gloo group (a collective: every rank constructs its exchange at
     the same point); on a gloo default backend, the default group. The rows themselves travel on
-    the default group. world_size == 1 needs no torch.distributed at all."""
+    the default group. world_size == 1 needs no torch.distributed at all, and neither does an
+    exchange on "meta" (a rank the tools model, perf/checks/meta_rank.py: its collectives go to whatever
+    torch.distributed is then, a tool's stand-in)."""
 
     def __init__(self, num_rows: int, rank: int, world_size: int, device, group=None, lanes: int = 1):
         if lanes < 1:
@@ -165,7 +167,7 @@ class RowExchange:
         self.lo, self.hi = rank * self.rows_per_rank, (rank + 1) * self.rows_per_rank
         self.device = torch.device(device)
         self.starts = np.arange(world_size + 1, dtype=np.int64) * self.rows_per_rank  # owner o: [starts[o], starts[o+1])
-        if world_size > 1:
+        if world_size > 1 and self.device.type != "meta":
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError(f"RowExchange: world_size={world_size} needs an initialized process group")
             if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):

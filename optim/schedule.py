@@ -1,5 +1,5 @@
 """The training schedule: stage ends, learning-rate multiplier, rail beta, windows, batch sizes,
-MTP / prefix weights, sampled-softmax P and the step-indexed switches (record #360, modules §7).
+MTP / prefix weights, sampled-softmax P and the step-indexed switches (record #360: track_1_short/schedule.py).
 
 Every value is a pure function of the step and a `ScheduleConfig` (config.py), so a researcher can
 see an edit before renting GPUs:
@@ -37,7 +37,7 @@ class StageSpan:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """Everything the schedule sets at the top of one training step (modules §7.8 advance_schedule)."""
+    """Everything the schedule sets at the top of one training step (track_1_short/schedule.py advance_schedule)."""
     step: int
     stage: int
     lr_mult: float
@@ -320,8 +320,8 @@ def plot_schedule(sched: TrainingSchedule, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from config_check import (ArgumentParser, add_set_argument, check_preset, exit_on_config_error, positive_int,
-                              preset_run_config)
+    from cli import (ArgumentParser, add_set_argument, check_preset, exit_on_config_error, positive_int,
+                     preset_run_config)
 
     with exit_on_config_error("python -m optim.schedule"):
         parser = ArgumentParser(prog="python -m optim.schedule", description=__doc__.split("\n\n")[0],

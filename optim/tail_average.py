@@ -1,4 +1,4 @@
-"""Tail averages (record #360, record_360_modules.md §8): the run ends on blends of late-training
+"""Tail averages (record #360: track_1_short/tail_average.py): the run ends on blends of late-training
 weight averages instead of the raw final iterate.
 
 Each rank averages, in fp32, only the rows it updates in the optimizer (OptimizerManager.own_shard).

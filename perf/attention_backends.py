@@ -8,7 +8,7 @@ padded with T) marks their starts. A query sees the keys of its own segment at d
 positions. q/k and v may have different head widths (64/128 on the narrow layers).
 
 `varlen_attention` runs the backend `perf.backend.current().attention` names (SPEEDRUN_ATTENTION):
-  fa3   the record's patched FA3 build (record #360 §2.7), pinned to a revision and sha256-checked
+  fa3   the record's patched FA3 build (record #360's model/attention.py), pinned to a revision and sha256-checked
         before first use: from SPEEDRUN_FA3_DIR (a local copy), else via `kernels` from the hub cache
         or, the first time, the Hugging Face Hub (see the FA3 section for the three sources).
   flex  torch's flex_attention with a block mask built from cu_seqlens and the window (compiled on
@@ -122,7 +122,7 @@ FLEX_BLOCK_SIZE = 128  # flex_attention's default tile; blocks fully outside eve
 # searchsorted inside it loads the int64 copy of cu_seqlens, a buffer whose layout nothing froze:
 # every flex validation failed to lower ("convert FlexibleLayout to FixedLayout first", torch 2.13;
 # training graphs compiled), on every GPU that runs flex. An op's output has a fixed layout (found by
-# python -m perf.cross_compile --config recipe --world-size 1 --sm 89; tests/perf/test_perf_cross_compile.py
+# python -m perf.tools.cross_compile --config recipe --world-size 1 --sm 89; tests/perf/test_perf_cross_compile.py
 # keeps it). The op is one searchsorted, what the inlined code would compute.
 @torch.library.custom_op("speedrun::segment_ids", mutates_args=())
 def _segment_ids_op(cu_seqlens: Tensor, num_positions: int) -> Tensor:
@@ -193,7 +193,7 @@ def flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w
 #                             (add --cache-dir "$KERNELS_CACHE" when that is set), then run with HF_HUB_OFFLINE=1.
 #   3. the hub                the pinned revision, downloaded by `get_kernel` on first use.
 
-FA3_REPO = "devenpzak/flash-attn3-12864"  # record #360 §2.7: takes (64, 128) and (128, 64) q/k vs v widths
+FA3_REPO = "devenpzak/flash-attn3-12864"  # record #360's FA3: takes (64, 128) and (128, 64) q/k vs v widths
 FA3_REVISION = "64c1e6d1f2780e7931839f41426ddcdb564a7cb9"  # record #360: the pinned commit
 FA3_BINARY_SHA256 = "9beee90dbef9c9c221e677dad9f932108b70c46aa35841fc0862281d5b84c09b"  # record #360
 FA3_BINARY_GLOB = "_flash_attn3_cuda_*.so"  # record #360: the file the hash is taken of
@@ -295,7 +295,7 @@ def load_fa3_from_dir(root: Path, expected_sha256: str | None = None):
     except Exception as exc:
         raise RuntimeError(f"FA3: importing {package_dir} ({FA3_DIR_ENV}) failed ({type(exc).__name__}: {exc}); "
                            f"the record's build needs torch {FA3_TORCH} (found {torch.__version__}) and "
-                           f"libcudart.so.13 on the loader path (`python -m perf.preflight` checks both)") from exc
+                           f"libcudart.so.13 on the loader path (`python -m perf.checks.preflight` checks both)") from exc
     if not hasattr(package, "flash_attn_interface"):
         raise RuntimeError(f"FA3: {package_dir / '__init__.py'} ({FA3_DIR_ENV}) has no `flash_attn_interface`; "
                            f"point {FA3_DIR_ENV} at a download of {FA3_REPO}@{FA3_REVISION}")
@@ -366,7 +366,7 @@ def check_fa3_compilable(fa3=None, device: str = "cuda") -> None:
     """Raise unless FA3's varlen call traces on fake tensors, forward and backward: torch.compile
     traces the model with fake tensors, so every op FA3 calls needs a fake (shape) kernel, or the
     record's first compiled step fails after minutes of compiling. Seconds, no kernel runs; the
-    record preset calls it at start-up, before the clock, and `python -m perf.preflight` reports it."""
+    record preset calls it at start-up, before the clock, and `python -m perf.checks.preflight` reports it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fa3 = fa3 if fa3 is not None else load_fa3()
@@ -390,7 +390,7 @@ def check_fa3_compilable(fa3=None, device: str = "cuda") -> None:
 
 def fa3_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
                          softmax_scale: float, paired: bool = False, max_seqlen: int | None = None) -> Tensor:
-    """`sdpa_varlen_attention` through FA3 varlen (record #360 §2.7). max_seqlen: the longest segment in
+    """`sdpa_varlen_attention` through FA3 varlen (record #360's model/attention.py). max_seqlen: the longest segment in
     tokens (the record passes its configured maximum); None reads it from cu_seqlens (a host sync)."""
     T, H, _ = q.shape
     _check_segments(cu_seqlens, T)

@@ -1,6 +1,6 @@
 """Which execution path runs: the portable twin (plain PyTorch) or the fast path (Triton, FA3, compile).
 
-One algorithm, two paths (DESIGN.md). Every fast op has a portable twin with the same signature;
+One algorithm, two paths (docs/design.md). Every fast op has a portable twin with the same signature;
 the op's public function asks `current()` which one to call. The choice comes from the hardware and
 can be overridden with environment variables (read once, at first use):
 
@@ -13,7 +13,7 @@ can be overridden with environment variables (read once, at first use):
     SPEEDRUN_CUDA_GRAPHS=0|1     capture the forward/backward (per geometry) and the optimizer update (per
                                  phase) in the warmup, replay them in the timed loop (perf/cuda_graphs/
                                  capture.py; default 1 on CUDA, 0 on CPU, where 1 replays the CPU twin)
-    SPEEDRUN_SYNC_CHECK=0|1      fail on any host sync inside the timed training step (perf/sync_check.py)
+    SPEEDRUN_SYNC_CHECK=0|1      fail on any host sync inside the timed training step (perf/checks/sync_check.py)
     SPEEDRUN_HOST_CHECKS=0|1     debugging checks that read tensor values on the host (index ranges, ...):
                                  default 1 on CPU, 0 on CUDA and under SPEEDRUN_SYNC_CHECK=1 (a GPU would
                                  wait on them); never inside torch.compile
@@ -54,7 +54,7 @@ class Backend:
     compile: bool
     compile_backend: str = "inductor"
     cuda_graphs: bool = False  # regions captured in the warmup and replayed (perf/cuda_graphs/capture.py)
-    sync_check: bool = False  # the timed step fails on a host sync (perf/sync_check.py)
+    sync_check: bool = False  # the timed step fails on a host sync (perf/checks/sync_check.py)
     host_checks: bool = False  # value checks that read tensors on the host (see host_checks())
     # overlap pieces (issue "Overlap"): each one hides work behind compute without changing the math
     pinned_batches: bool = True  # pinned host ring + side-stream batch copies
@@ -75,7 +75,7 @@ BACKEND_VARIABLES = ("SPEEDRUN_TRITON", "SPEEDRUN_FP8", "SPEEDRUN_ATTENTION", "S
                      "SPEEDRUN_HOST_CHECKS", "SPEEDRUN_OVERLAP", "SPEEDRUN_PINNED_BATCHES", "SPEEDRUN_FUSED_QKV",
                      "SPEEDRUN_SHARDED_PREFIX", "SPEEDRUN_DEFERRED_GATHERS", "SPEEDRUN_ROW_PREFETCH")
 OTHER_VARIABLES = ("SPEEDRUN_FA3_DIR",  # perf/attention_backends.py: a local FA3 build
-                   "SPEEDRUN_FAKE_GPU", "SPEEDRUN_CROSS_COMPILE_TRACEBACK",  # perf/cross_compile.py's own
+                   "SPEEDRUN_FAKE_GPU", "SPEEDRUN_CROSS_COMPILE_TRACEBACK",  # perf/tools/cross_compile.py's own
                    "SPEEDRUN_CROSS_COMPILE_TEMP_CACHE")
 
 

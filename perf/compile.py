@@ -2,7 +2,7 @@
 
     model = compile_model(model)   # after building the model, before the warmup steps
 
-Record #360 (record_360.md §6.1) compiles the whole model with
+Record #360 (its train_gpt.py) compiles the whole model with
 torch.compile(model, dynamic=False, fullgraph=True) and raises dynamo's recompile limit to 64, because
 each distinct step shape (tokens per rank, windows, MTP count, sampled-softmax width P, ...) is its
 own graph. The speedrun's rules forbid extra torch._inductor.config flags, so none are set here.

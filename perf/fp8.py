@@ -40,7 +40,7 @@ def col_major(t: Tensor) -> Tensor:
 # it as an extern kernel, cuBLASLt's _scaled_mm, instead of lowering torch._scaled_mm itself. The
 # lowering considers inductor's own Triton templates on SM90 and reshapes each 0-D scale to [1, 1];
 # a scale that is a 0-D view of a per-slot buffer (`state.post_scale[k]`) then fails to lower
-# ("12 != 1"; python -m perf.cross_compile finds it, tests/perf/test_perf_cross_compile.py keeps it).
+# ("12 != 1"; python -m perf.tools.cross_compile finds it, tests/perf/test_perf_cross_compile.py keeps it).
 @torch.library.custom_op("speedrun::scaled_mm", mutates_args=())
 def _scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
                   fast_accum: bool) -> Tensor:
@@ -77,7 +77,7 @@ def tile_amax(w: Tensor, tile: int = 64) -> Tensor:
     return tiles.amax(dim=(-2, -1)).reshape(*lead, th * td)
 
 
-# The fp8 lm_head of record #360 (modules §5.3): per-tensor static scales.
+# The fp8 lm_head of record #360 (track_1_short/model/gpt.py): per-tensor static scales.
 LM_HEAD_X_SCALE = 100 / 448  # record #360: the final normed rows (|x| <= √768 = 27.7) map to <= 124
 LM_HEAD_W_SCALE = 2.0 / 448  # record #360: lm_head entries up to ±2 are representable
 LM_HEAD_GRAD_SCALE = 0.75 / 8 / 448  # record #360: /8 moves the e5m2 flush-to-zero floor 3 octaves down
@@ -94,7 +94,7 @@ def quantize_lm_head(w: Tensor) -> Tensor:
 # casts into one kernel over [T, N] (every fp32 slab alive at once: 2.8 GB per rank at the record's
 # stage 2, T = 49,152 and P = 14,336), and that kernel does not even compile: its e4m3 NaN fill
 # constant fails in Triton 3.8 ("'llvm.fptrunc' op result #0 must be floating point"; found by
-# python -m perf.cross_compile --config record --steps 681).
+# python -m perf.tools.cross_compile --config record --steps 681).
 @torch.library.custom_op("speedrun::lm_head_logits_e4m3", mutates_args=())
 def _lm_head_logits_e4m3_op(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
     T, N = x8.shape[0], w8.shape[1]
@@ -121,7 +121,7 @@ def lm_head_logits_e4m3(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor) -> Ten
 
 class Fp8LMHeadLossFunction(torch.autograd.Function):
     """The summed softcapped training loss of x [T, D] through the fp8 lm_head W[:, cols] (cols None =
-    every column) and the rows' lse [T], record #360's full-stack fp8 tail (modules §5.2-5.3) as one
+    every column) and the rows' lse [T], record #360's full-stack fp8 tail (track_1_short/model/gpt.py) as one
     autograd node with two differentiable outputs.
 
     Forward: e4m3 x and W, logits written as e4m3 bytes (1 per element, `lm_head_logits_e4m3`), the
@@ -182,7 +182,7 @@ def fp8_lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, mtp_weights, prefix_
     return Fp8LMHeadLossFunction.apply(x, w, cols, targets, prefix_targets, weights, len(mtp_weights))
 
 
-# The packed fp8 QKV projection of record #360 training (modules §2.9): static scales for the input
+# The packed fp8 QKV projection of record #360 training (track_1_short/model/attention.py): static scales for the input
 # and the output gradient, an exact per-layer weight scale, sa0 folded into the dequant scale.
 QKV_X_SCALE = 8.0 / 448  # record #360: normed attention inputs saturate beyond |x| = 8
 QKV_GRAD_SCALE = 1.0 / 448  # record #360: static e4m3 scale of the QKV output gradient

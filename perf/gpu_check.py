@@ -171,15 +171,15 @@ def _max_abs(x: torch.Tensor) -> float:
 def check_symmetric_matmul(ctx: Context) -> list[Result]:
     from perf.kernels import symmetric_matmul as sm
 
-    # per-rank ANVIL bank chunks (record #360 §3): (matrices, rows, cols)
+    # per-rank ANVIL bank chunks (record #360: track_1_short/optim/anvil.py): (matrices, rows, cols)
     chunks = ctx.shape(record={"qk": (6, 256, 768), "vo": (2, 768, 768), "mlp": (3, 2816, 768)},
                        tiny={"qk": (2, 24, 40), "vo": (1, 40, 40), "mlp": (2, 72, 40)})
-    b, c = -6.095026865488, 3.905234618423  # record #360 §3: the first ANVIL map's (b, c)
+    b, c = -6.095026865488, 3.905234618423  # record #360 (track_1_short/optim/anvil.py): the first ANVIL map's (b, c)
     results = []
     for bank, shape in chunks.items():
         gen = torch.Generator(device=ctx.device).manual_seed(0)
         X = torch.randn(shape, device=ctx.device, generator=gen)
-        X = (X / (1.05 * X.norm(dim=(-2, -1), keepdim=True))).bfloat16()  # normalized as in §3 step 3
+        X = (X / (1.05 * X.norm(dim=(-2, -1), keepdim=True))).bfloat16()  # normalized as in ANVIL's step 3
         rows, cols = shape[1:]
         if rows > cols:  # the Gram the cascade takes: XᵀX for tall matrices, else XXᵀ
             name, kernel, twin, summed = "xtx", sm.xtx_triton, sm.xtx_portable, rows
@@ -202,7 +202,7 @@ def check_symmetric_matmul(ctx: Context) -> list[Result]:
 def check_transpose(ctx: Context) -> list[Result]:
     from perf.kernels import transpose as tr
 
-    d, v = ctx.shape(record=(768, 50304), tiny=(40, 100))  # lm_head stored [768, V] (record #360 §2.2)
+    d, v = ctx.shape(record=(768, 50304), tiny=(40, 100))  # lm_head stored [768, V] (record #360's model/gpt.py)
     gen = torch.Generator(device=ctx.device).manual_seed(0)
     lm_head = torch.randn((d, v), device=ctx.device, generator=gen).bfloat16()
     embed = torch.empty((v, d), device=ctx.device, dtype=torch.bfloat16)
@@ -231,7 +231,7 @@ def _zipf_like_ids(n: int, vocab: int, gen: torch.Generator, device) -> torch.Te
 def check_value_embed(ctx: Context) -> list[Result]:
     from perf.kernels import value_embed as ve
 
-    # record #360 §2.2: value_embeds [4·50304, 768]; stage 2 runs 49,152 tokens per rank (§6.2)
+    # record #360 (track_1_short/model/gpt.py): value_embeds [4·50304, 768]; stage 2 runs 49,152 tokens per rank
     vocab, dim, tokens = ctx.shape(record=(50304, 768, 49152), tiny=(50, 24, 30))
     gen = torch.Generator(device=ctx.device).manual_seed(0)
     table = (0.01 * torch.randn((4 * vocab, dim), device=ctx.device, generator=gen)).bfloat16()
@@ -241,7 +241,7 @@ def check_value_embed(ctx: Context) -> list[Result]:
     results = [ctx.compare("value_embed", f"gather ({ids.numel()} of {4 * vocab}, {dim})", error, 0.0, "abs",
                            lambda: ve.gather_rows_triton(table, ids), lambda: ve.gather_rows_portable(table, ids))]
     grad = torch.randn((ids.numel(), dim), device=ctx.device, generator=gen).bfloat16()
-    # the persistent fp16 gradient buffer (modules §10.5)
+    # the persistent fp16 gradient buffer (track_1_short/perf/value_embed_pull.py)
     buffer = (0.1 * torch.randn((4 * vocab, dim), device=ctx.device, generator=gen)).half()
     repeats = int(torch.bincount(ids).max())
     error = ulp_distance(ve.scatter_add_rows_triton_(buffer.clone(), ids, grad),
@@ -258,7 +258,7 @@ def check_value_embed(ctx: Context) -> list[Result]:
 def check_ngram_embed(ctx: Context) -> list[Result]:
     from perf.kernels import ngram_embed as ng
 
-    # 49,152 tokens per rank (record #360 §6.2), dim 768, sign pool 8192 rows (modules §4.3)
+    # 49,152 tokens per rank (record #360's config.py), dim 768, sign pool 8192 rows (its ngram_table.py)
     tokens, dim, pool_rows = ctx.shape(record=(49152, 768, 8192), tiny=(13, 24, 16))
     gen = torch.Generator(device=ctx.device).manual_seed(0)
     rows = torch.randn((2 * tokens, dim), device=ctx.device, generator=gen).bfloat16().requires_grad_()
@@ -289,7 +289,7 @@ def check_cross_entropy(ctx: Context) -> list[Result]:
     gen = torch.Generator(device=ctx.device).manual_seed(0)
     results = []
     # full softmax (V = 50304, as stages 3-4 run it: next token only) and the sampled width P = 10240
-    # with the MTP and prefix terms of stages 0-1 (record #360 modules §3.3, §5.2)
+    # with the MTP and prefix terms of stages 0-1 (record #360: track_1_short/sampled_softmax.py)
     cases = [("full V", ctx.shape(record=50304, tiny=40), (1.0,), False),
              ("sampled P", ctx.shape(record=10240, tiny=24), (1.0, 0.5, 0.25), True)]
     for name, width, mtp, with_prefix in cases:
@@ -481,7 +481,7 @@ def _mlp_parity(ops: dict) -> dict[str, float]:
 @register("mlp")
 def check_mlp(ctx: Context) -> list[Result]:
     dim, hidden = ctx.shape(record=(768, 2816), tiny=(40, 72))  # record #360: model dim 768, MLP hidden 2816
-    # parity at one rank's record batch (49,152 tokens, §6.2 stage 2); timings at a third of it
+    # parity at one rank's record batch (49,152 tokens, stage 2); timings at a third of it
     parity_tokens, time_tokens = ctx.shape(record=(49152, 16384), tiny=(45, 45))
     errors = _mlp_parity(_mlp_ops(ctx, parity_tokens, dim, hidden))
     ops = _mlp_ops(ctx, time_tokens, dim, hidden)
@@ -517,10 +517,10 @@ def _qkv_case(ctx: Context, T: int, D: int, H: int, dq: int, dv: int, paired: bo
     gen = torch.Generator(device=ctx.device).manual_seed(0)
     x = torch.randn((T, D), device=ctx.device, generator=gen)
     x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))).bfloat16()  # the normed attention input
-    bound = 3**0.5 * 0.5 * D**-0.5  # record #360 §1.2: the banks' uniform init bound
+    bound = 3**0.5 * 0.5 * D**-0.5  # record #360 (track_1_short/model/gpt.py): the banks' uniform init bound
     w_qk, w_v = (((torch.rand((rows, D), device=ctx.device, generator=gen) * 2 - 1) * bound).bfloat16()
                  for rows in (2 * H * dq, H * dv))
-    sa0 = torch.tensor(0.5, device=ctx.device)  # record #360 §1.2: sa0's init
+    sa0 = torch.tensor(0.5, device=ctx.device)  # record #360 (track_1_short/model/gpt.py): sa0's init
     yarn = Yarn(dq, rotary_dim, 0.13, paired=paired).to(ctx.device)
     yarn.rescale(128, 384)  # the first window change's stretched frequencies
     grads = [(0.01 * torch.randn((T, H, w), device=ctx.device, generator=gen)).bfloat16() for w in (dq, dq, dv)]
@@ -546,8 +546,8 @@ def check_fused_qkv(ctx: Context) -> list[Result]:
     """The fused training QKV (quantize, GEMM, QK-norm + rotary epilogue; the fused backward) against
     the unfused path at one rank's stage-2 shapes, per attention layer kind: forward + backward
     parity (relative to each tensor's norm) and time, both eager."""
-    T, D, H = ctx.shape(record=(49152, 768, 6), tiny=(9, 40, 2))  # record #360 §6.2: 49,152 tokens per rank
-    # (name, d_qk, d_v, paired, key offset, rotary dims): record #360 modules §2.2
+    T, D, H = ctx.shape(record=(49152, 768, 6), tiny=(9, 40, 2))  # record #360's config.py: 49,152 tokens per rank
+    # (name, d_qk, d_v, paired, key offset, rotary dims): record #360's track_1_short/model/attention.py
     kinds = ctx.shape(record=[("narrow paired (layers 0, 2, 5)", 64, 128, True, False, 64),
                               ("half-v (layers 1, 8)", 64, 64, False, False, 64),
                               ("wide + key offset (layers 3, 10)", 128, 128, False, True, 64)],
@@ -665,15 +665,16 @@ def check_model_step(ctx: Context) -> list[Result]:
     estimate = _step_memory_estimate_mib(preset, 2 if ctx.dry_run else 1, step)
     return [Result("model_step", case, abs(value - reference) / abs(reference), 2e-2, "rel", kernel_ms=kernel_ms,
                    torch_ms=torch_ms, peak_mib=peak,
-                   note=f"loss {value:.5f} vs portable {reference:.5f}; perf.memory estimates "
+                   note=f"loss {value:.5f} vs portable {reference:.5f}; perf.tools.memory estimates "
                         f"{estimate:,.0f} MiB for this preset and geometry on {2 if ctx.dry_run else 1} process(es)")]
 
 
 def _step_memory_estimate_mib(preset: str, world_size: int, step: int) -> float:
-    """`python -m perf.memory --config PRESET --world-size W`'s estimate for the geometry of
+    """`python -m perf.tools.memory --config PRESET --world-size W`'s estimate for the geometry of
     `step` (static device items + that step's column), in MiB, to print next to the measured peak."""
     from config import RUN_PRESETS
-    from perf.memory import build_rank_on_meta, geometries, static_items, step_memory
+    from perf.tools.memory import static_items, step_memory
+    from perf.checks.meta_rank import build_rank_on_meta, geometries
 
     rank = build_rank_on_meta(RUN_PRESETS[preset], world_size)
     settings, steps = next((g, st) for g, st in geometries(rank.schedule) if step in st)
@@ -748,7 +749,7 @@ def _cuda_graphs_results(ctx: Context) -> list[Result]:
     from model.gpt import StepArgs
     from optim.schedule import StepWeights
     from perf.cuda_graphs.capture import CUDA_TOLERANCE, RegionGraphs
-    from perf.cuda_graphs.contract import module_state, optimizer_state
+    from perf.cuda_graphs.state import module_state, optimizer_state
 
     r = _record_step(ctx)
     s, model, manager, batch, step = r.settings, r.model, r.manager, r.batch, r.step

@@ -32,11 +32,11 @@ from config import NGRAM_TABLE_PLACEMENTS
 
 # ours: where `ngram_table=auto` puts the table: in host memory when this rank's shard would take
 # more than this fraction of the device's memory (the rest of a one-GPU record step peaks at
-# 34 GiB with the table off the device: perf.memory --config record --world-size 1)
+# 34 GiB with the table off the device: perf.tools.memory --config record --world-size 1)
 HOST_TABLE_DEVICE_FRACTION = 0.5
 
 
-# what torch.cuda.get_device_properties reports for an H100 SXM 80GB (79.1 GiB): perf.memory's device
+# what torch.cuda.get_device_properties reports for an H100 SXM 80GB (79.1 GiB): perf.tools.memory's device
 H100_MEMORY_BYTES = 84_942_979_072
 
 
@@ -44,7 +44,7 @@ def choose_placement(setting: str, shard_bytes: int, device: torch.device,
                      device_bytes: int | None = None) -> tuple[str, str]:
     """(placement, why) for a table shard of `shard_bytes` on `device` under the run's
     `ngram_table` setting ("auto", "device" or "host"). device_bytes: the device's memory (default:
-    what torch reports for `device`; perf.memory passes an H100's)."""
+    what torch reports for `device`; perf.tools.memory passes an H100's)."""
     if setting not in NGRAM_TABLE_PLACEMENTS:
         raise ValueError(f"ngram_table={setting!r}: expected one of {NGRAM_TABLE_PLACEMENTS}")
     if setting != "auto":

@@ -10,7 +10,7 @@ scalars and keep plain autograd.
 from the shared per-row rstd, so the head's gradient stays `width` columns wide instead of being
 padded to the full width and folded into the norm's backward (the value-embedding gate input).
 
-Contracts: ../DESIGN.md "The residual fusions". Tests: tests/perf/test_perf_residual_fusion.py.
+Contracts: docs/design.md, "The residual fusions". Tests: tests/perf/test_perf_residual_fusion.py.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from config_check import ArgumentParser, exit_on_config_error
+from cli import ArgumentParser, exit_on_config_error
 from records import report
 from records.run_log import parse_log
 

@@ -33,7 +33,7 @@ ENV_RULE = "=" * 100  # record #360 run_log: 100 '=' around the environment head
 SKIPPED_DIRS = {"__pycache__", "logs", "fineweb10B"}  # run outputs and data, not source
 
 # ------------------------------------------------------------------------------------------------
-# The upstream line formats (record #360 §5). Writers and parsers sit side by side so they agree.
+# The upstream line formats (record #360: track_1_short/run_log.py). Writers and parsers sit side by side so they agree.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -41,7 +41,7 @@ def format_step_line(step: int, total_steps: int, train_time_ms: float, tokens_p
                      mfu: float | None = None, peak_fraction: float | None = None) -> str:
     """`step:{s}/{N} train_time:{ms:.0f}ms step_avg:{ms/s:.2f}ms`; `step` counts finished steps. Ours
     appends ` tokens/s:{:.0f}`, ` mfu:{:.1f}%` (the standard MFU: model FLOPs over the time at the bf16
-    dense peak) and ` peak_fraction:{:.1f}%` (each kind at its own peak) when known (perf/cost.py
+    dense peak) and ` peak_fraction:{:.1f}%` (each kind at its own peak) when known (perf/checks/cost.py
     RunCost): upstream's parsers, which search for the fields above, still read the line."""
     line = f"step:{step}/{total_steps} train_time:{train_time_ms:.0f}ms step_avg:{train_time_ms / max(step, 1):.2f}ms"
     if tokens_per_s is not None:

@@ -1,4 +1,4 @@
-"""The tests a change touches: the test files mirroring the changed files and those naming them.
+"""The tests a change touches: the test files mirroring the changed files and those reaching them.
 
     python3 tests/affected.py                   # the working tree (untracked files too) against HEAD
     python3 tests/affected.py main              # ... against a branch or commit
@@ -7,16 +7,19 @@
 
 A test file is selected when it changed, when it mirrors a changed file (model/loss.py ->
 tests/model/test_model_loss*.py, perf/kernels/mlp.py -> tests/kernels/test_kernels_mlp*.py,
-a top-level file such as train_gpt.py or config.py -> tests/run/), or when it names a changed
-module: an import, an import in a worker script it keeps as a string (tests/gloo_workers.py runs
-those), or a module or file it launches (`"-m", "perf.cross_compile"`, `"data/tokenize.py"`).
-tests/model/test_model_gpt.py also runs for a change to anything model/gpt.py imports, directly or
-not. A change to the test set-up (conftest, pyproject, requirements) selects everything. Files are
-read, not run: a test reaching a changed module only through a module it imports is left to the
-full `pytest`, which CI runs.
+a top-level file such as train_gpt.py or config.py -> tests/run/), or when it reaches a changed
+module through any chain of the project's modules: an import (at the top or inside a function), an
+import in a worker script it keeps as a string (tests/gloo_workers.py runs those), or a module or
+file it launches (`"-m", "perf.tools.cross_compile"`, `"data/tokenize.py"`), and so on from each of those.
+Tests that read the tree as text run for any change to what they read (`READERS`: the import-circle
+and citation checks, the README's). A change to the test set-up (conftest, pyproject, requirements)
+selects everything. Files are read, not run, so it cannot see an import built at run time
+(`importlib.import_module(name)` of a computed name), a script launched by a path it builds, or a
+data file a test reads (shards, JSON, text): those are left to the full `pytest`, which CI runs.
 """
 import argparse
 import ast
+import fnmatch
 import shlex
 import subprocess
 import sys
@@ -26,9 +29,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # ours: these change every test's set-up (fixtures, markers, options, installed packages)
 WHOLE_SUITE = {"tests/conftest.py", "pyproject.toml", "requirements.txt", "requirements-test.txt"}
-# ours: the smoke model's forward, backward and learning, run for a change to anything model/gpt.py
-# imports, directly or not (model/mlp.py has no test of its own; the kernels' portable twins run here)
-END_TO_END = {"tests/model/test_model_gpt.py": "model.gpt"}
+# ours: tests that read the tree as text, not through imports, and the changed paths they read
+READERS = {"tests/test_imports.py": ("*.py",),
+           "tests/test_citations.py": ("*.py", "*.md", "*.txt", "*.toml", "*.sh", "Dockerfile", ".ci/run"),
+           "tests/test_readme.py": ("README.md", "docs/*.md")}
 
 
 def module_name(path: str) -> str:
@@ -62,7 +66,7 @@ def names_in(path: Path) -> set[str]:
                         trees.append(ast.parse(textwrap.dedent(text)))
                     except SyntaxError:
                         pass
-                if text.endswith(".py") or ("." in text and " " not in text):  # "perf.cross_compile", "train_gpt.py"
+                if text.endswith(".py") or ("." in text and " " not in text):  # "perf.tools.cross_compile", "train_gpt.py"
                     found.add(module_name(text))
     return {package for name in found for package in with_packages(name)}
 
@@ -83,18 +87,29 @@ def mirrors(path: str, repo: Path) -> list[str]:
     return [str(p.relative_to(repo)) for p in [*folder.glob(stem + ".py"), *folder.glob(stem + "_*.py")]]
 
 
-def imported_by(module: str, graph: dict[str, set[str]]) -> set[str]:
-    """`module` and every project module it imports, directly or not."""
-    seen, todo = set(), [module]
-    while todo:
-        if (name := todo.pop()) not in seen:
-            seen.add(name)
-            todo.extend(graph.get(name, ()))
-    return seen
+def reaches(start: str, targets, graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """{target: the shortest chain of project modules from `start` to it} for each target that
+    `start` imports, directly or through other modules (breadth first)."""
+    chains, previous, frontier = {}, {start: None}, [start]
+    while frontier:
+        following = []
+        for name in frontier:
+            for child in sorted(graph.get(name, ())):
+                if child not in previous:
+                    previous[child] = name
+                    following.append(child)
+        frontier = following
+    for target in targets:
+        if target in previous and target != start:
+            chain = [target]
+            while previous[chain[-1]] is not None:
+                chain.append(previous[chain[-1]])
+            chains[target] = chain[::-1]
+    return chains
 
 
 def select(changed: list[str], repo: Path = REPO,
-           end_to_end: dict[str, str] = END_TO_END) -> dict[str, tuple[str, str]] | None:
+           readers: dict[str, tuple[str, ...]] = READERS) -> dict[str, tuple[str, str]] | None:
     """{test file: (why, the changed path it answers)} for the changed paths (repo-relative); None when
     the test set-up changed: the whole suite."""
     if WHOLE_SUITE & set(changed):
@@ -112,12 +127,15 @@ def select(changed: list[str], repo: Path = REPO,
         elif path.endswith(".py") and not path.startswith("tests/"):
             why.update({test: (f"mirrors {path}", path) for test in mirrors(path, repo) if test not in why})
     for test in (f for f in files if is_test(f) and f not in why):
-        if hit := sorted(graph[module_name(test)] & origin.keys()):
-            why[test] = (f"imports {hit[0]}", origin[hit[0]])
-    for test, module in end_to_end.items():
-        hit = sorted(imported_by(module, graph) & origin.keys())
-        if hit and test not in why and (repo / test).is_file():
-            why[test] = (f"runs {module}, which imports {origin[hit[0]]}", origin[hit[0]])
+        chains = reaches(module_name(test), origin, graph)
+        if chains:  # the shortest chain, then the first changed module by name
+            target, chain = min(chains.items(), key=lambda item: (len(item[1]), item[0]))
+            how = f"imports {target}" if len(chain) == 2 else f"imports {' → '.join(chain[1:])}"
+            why[test] = (how, origin[target])
+    for test, patterns in readers.items():
+        read = [c for c in changed if any(fnmatch.fnmatch(c, pattern) for pattern in patterns)]
+        if read and test not in why and (repo / test).is_file():
+            why[test] = (f"reads {read[0]}", read[0])
     return dict(sorted(why.items()))
 
 

@@ -1,6 +1,10 @@
-"""Shared test set-up: offline hub, the GPT-2 BPE cache, shared text, and GPU skipping.
+"""Shared test set-up: offline hub, the GPT-2 BPE cache, shared text, the embedded corpus, and GPU skipping.
 
-Tests read `../shared` (beside the repository root) but never copy it into the project.
+Every end-to-end test trains on the embedded corpus (data/synthetic.py, the `synthetic_shards`
+fixture), so a fresh clone runs them with nothing from outside the repository. Tests read
+`../shared` (beside the repository root) where present, but never copy it into the project: its
+English text for the real-text checks (`tiny_shakespeare_path`) and tiktoken's GPT-2 BPE files for
+the tokenizer's (`gpt2_bpe`); each skips with one line where its files are missing.
 """
 import os
 from pathlib import Path
@@ -54,9 +58,32 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_shakespeare_path() -> Path:
+    """Real English text, for the checks that need real text (the tokenizer, the canonical mask)."""
     if not TINY_SHAKESPEARE.is_file():
         pytest.skip(f"shared text missing: {TINY_SHAKESPEARE}")
     return TINY_SHAKESPEARE
+
+
+@pytest.fixture(scope="session")
+def gpt2_bpe():
+    """tiktoken's GPT-2 encoding, where its BPE files load offline (TIKTOKEN_CACHE_DIR, set above from
+    ../shared, or tiktoken's own cache); training does not need them (model/prefix.py's stored table)."""
+    from model.prefix import gpt2_bpe_available, gpt2_encoding
+
+    if not gpt2_bpe_available():
+        pytest.skip("GPT-2 BPE files missing: tiktoken has neither a cache (TIKTOKEN_CACHE_DIR) nor network")
+    return gpt2_encoding()
+
+
+@pytest.fixture(scope="session")
+def synthetic_shards(tmp_path_factory) -> Path:
+    """The embedded corpus (data/synthetic.py, the smoke preset's default data), written once per
+    session into a temp folder (about 3 s): the shards every end-to-end test trains on."""
+    from data.synthetic import write_corpus
+
+    out = tmp_path_factory.mktemp("synthetic")
+    write_corpus(out, progress=False)
+    return out
 
 
 # ---- the SM90 cross-compile of one smoke geometry, started early on the idle core -----------------
@@ -75,7 +102,7 @@ def _start_cross_compile(out_dir: Path) -> None:
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # Triton must compile
     out, err = open(out_dir / "stdout.txt", "w+"), open(out_dir / "stderr.txt", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "perf.cross_compile", *CROSS_COMPILE_SMOKE_ARGS], cwd=REPO_ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "perf.tools.cross_compile", *CROSS_COMPILE_SMOKE_ARGS], cwd=REPO_ROOT,
                             env=env, stdout=out, stderr=err, text=True)
     _cross_compile_run.update(proc=proc, out=out, err=err)
 
@@ -96,7 +123,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def smoke_cross_compile(tmp_path_factory):
-    """(exit code, stdout, stderr) of `python -m perf.cross_compile` on one smoke training geometry."""
+    """(exit code, stdout, stderr) of `python -m perf.tools.cross_compile` on one smoke training geometry."""
     if "proc" not in _cross_compile_run:  # not started at collection (e.g. selected by a plugin later)
         _start_cross_compile(tmp_path_factory.mktemp("cross_compile"))
     proc, out, err = _cross_compile_run["proc"], _cross_compile_run["out"], _cross_compile_run["err"]

@@ -1,2 +1,2 @@
-"""CUDA-graph capture: the contract a captured region must keep, checked on any device
-(perf/cuda_graphs/contract.py)."""
+"""CUDA-graph capture and replay of a step's regions (capture.py) and the low-level state readers it
+shares with the contract check (state.py; the check itself: perf/tools/capture_contract.py)."""

@@ -8,7 +8,7 @@ them all in one call.
 
 `RegionGraphs.run(region, key, fn)` is what `training.Run.train_step` calls for each capturable
 region ("forward_backward" per step geometry, "optimizer" per optimizer phase and fp8 refresh
-mode; perf/cuda_graphs/contract.py states what a region must keep to be capturable):
+mode; perf/tools/capture_contract.py states what a region must keep to be capturable):
 
 * while `capturing` (the untimed warmup), the first call of a key runs `fn` eagerly (the warm-up
   a capture needs: lazy state, autotuning, cuBLAS and NCCL set-up; on a side stream on CUDA) and
@@ -35,15 +35,15 @@ Two graph kinds share that plan:
   replay skips (a host counter, a tensor swapped in by Python, a per-step Python number) trains
   differently under it, so `SPEEDRUN_CUDA_GRAPHS=1` on CPU proves the capture plan end to end:
 
-      python -m perf.cuda_graphs.capture --config smoke --steps 6   # graphed vs eager, bit for bit
+      python -m perf.tools.capture_compare --config smoke --steps 6   # graphed vs eager, bit for bit
 
 Bitwise: the CPU twin replays the very ops eager runs, so its check demands equal bits. On CUDA
 kernels that accumulate with atomics (embedding backward, split reductions) may differ in the
 last bits between two runs, so the check allows `CUDA_TOLERANCE` of the tensor's largest
 magnitude and reports how many tensors matched bit for bit.
 
-What the check costs a rank, and its bound (`python -m perf.memory --config record` prints it per
-key, computed on "meta" by perf/cuda_graphs/cost.py):
+What the check costs a rank, and its bound (`python -m perf.tools.memory --config record` prints it per
+key, computed on "meta" by perf/tools/capture_cost.py):
 
 * it looks only at state a region can write: `written_outside_regions` names what only code
   outside every region writes (the n-gram table shard, 15.1 GiB per rank on the record, its row
@@ -70,9 +70,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from perf.cuda_graphs.contract import _LIFT_OPS  # torch.tensor(...) inside a region: a Python-made constant
-from perf.cuda_graphs.contract import OpRecordingMode
-from perf.cuda_graphs.contract import storage_ptr as _storage_ptr
+from perf.cuda_graphs.state import LIFT_OPS  # torch.tensor(...) inside a region: a Python-made constant
+from perf.cuda_graphs.state import OpRecordingMode
+from perf.cuda_graphs.state import storage_ptr as _storage_ptr
 
 # Largest |graphed - eager| allowed, relative to max |eager| of the tensor, on CUDA: two eager
 # runs of a kernel with atomic accumulation differ at this level at most (bf16 rounding of
@@ -87,7 +87,7 @@ STAGING_ALIGN = 64  # ours: each copy starts on a 64-byte boundary (a multiple o
 
 
 def written_outside_regions(name: str) -> bool:
-    """Whether only code outside every region writes the state of this contract.run_state name,
+    """Whether only code outside every region writes the state of this state.run_state name,
     so the capture check leaves it out (a region writing it is caught: `ExcludedStateWritten`):
 
     * ngram_table.rows, ngram_optimizer.state.*: the table event (`NgramRowOptimizer.step`, after
@@ -163,7 +163,7 @@ class _TapeMode(OpRecordingMode):
         kwargs = kwargs or {}
         tape = self.tape
         arg_ptrs = {_storage_ptr(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)}
-        if func._schema.name in _LIFT_OPS:  # a constant made by Python (torch.tensor(...)): baked as is;
+        if func._schema.name in LIFT_OPS:  # a constant made by Python (torch.tensor(...)): baked as is;
             for ptr in arg_ptrs:               # Python allocated it, maybe where a freed made one lived
                 tape.made.pop(ptr, None)
             rec_args, rec_kwargs = args, kwargs
@@ -293,7 +293,7 @@ def state_fingerprints(named: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
 
 def _unique_storages(named: list[tuple[str, Tensor]], storage_key=None) -> list[tuple[str, Tensor]]:
     """The first name of each view of a storage (a parameter and its optimizer view share one).
-    storage_key: what tells storages apart (the data pointer; perf/cuda_graphs/cost.py passes the
+    storage_key: what tells storages apart (the data pointer; perf/tools/capture_cost.py passes the
     StorageImpl on "meta", where every data pointer is 0)."""
     storage_key = storage_key or _storage_ptr
     seen, out = set(), []
@@ -315,7 +315,7 @@ def _excluded_marks(named: list[tuple[str, Tensor]]) -> dict[str, tuple]:
     """Per excluded tensor: (storage address, shape, version counter). Any aten write (in place,
     out=, through a view, all_gather_into_tensor, the table event's index_copy_) bumps the version;
     what does not (writes through `.data`, a c10d all_reduce or all_to_all, a raw Triton launch)
-    cannot happen to this state on the regions' code paths, which `perf/cuda_graphs/cost.py` checks
+    cannot happen to this state on the regions' code paths, which `perf/tools/capture_cost.py` checks
     structurally on "meta" (tests/perf/test_perf_capture_bytes.py)."""
     return {name: (_storage_ptr(t), tuple(t.shape), t._version) for name, t in named}
 
@@ -440,7 +440,7 @@ class RegionGraphs:
     """Per (region, key): capture at the first call while `capturing`, replay afterwards.
 
     make_graph: a new graph (CudaGraph or TapeGraph); named_state: [(name, tensor)] of everything
-    that outlives a region (contract.run_state), for the capture check; tolerance: allowed
+    that outlives a region (state.run_state), for the capture check; tolerance: allowed
     |graphed - eager| / max|eager| per tensor (0: bitwise); strict: a key first met after
     `freeze()` stops the run instead of running eagerly; warm_stream: the side stream of the
     eager warm-up call (CUDA); outside_regions: state name -> left out of the check (guarded, see
@@ -539,7 +539,7 @@ class RegionGraphs:
                 f"or storage changed), state the capture check leaves out because only code outside the regions "
                 f"writes it (perf/cuda_graphs/capture.py written_outside_regions): the check would neither restore "
                 f"nor compare it. Move the write out of the region, or take the name out of written_outside_regions "
-                f"(python -m perf.memory then prices its copies).")
+                f"(python -m perf.tools.memory then prices its copies).")
 
     def _warm_up(self, slot, fn: Callable):
         """The key's first call, eager (on the side stream on CUDA, as capture needs); notes the
@@ -638,7 +638,7 @@ class RegionGraphs:
                 f"CUDA graph of region {region!r} key {key!r}: its first replay does not match an eager run of the "
                 f"same call ({allowed}) in {len(bad)} of {len(pairs)} tensors: " + "; ".join(bad[:6])
                 + (" ..." if len(bad) > 6 else "") + ". The region keeps Python state a replay skips, or reads "
-                "an input that is not a static buffer (python -m perf.cuda_graphs.contract names it).")
+                "an input that is not a static buffer (python -m perf.tools.capture_contract names it).")
 
     def summary(self) -> str:
         """One line: graphs captured per region, how many check tensors matched bit for bit, replays."""
@@ -669,84 +669,3 @@ class RegionGraphs:
             text += "; COMPILED WHILE CAPTURING: " + ", ".join(f"{r} {k!r} ({n} graph(s))"
                                                             for (r, k), n in self.compiles_in_capture.items())
         return text
-
-
-
-# ----------------------------------------------------------------------------------------------------
-# the CLI: a preset's first steps graphed (the CPU twin on CPU) against eager, bit for bit
-# ----------------------------------------------------------------------------------------------------
-
-
-def train_steps(config: str, steps: int, graphed: bool, seed: int = 0):
-    """A one-process training.Run of `config`: the warmup planned for the first `steps` steps
-    (captures included when graphed), the in-place reset, then `steps` training steps on fixed
-    dummy batches. Returns (the step losses, {state name: a host copy after them}, the plan)."""
-    from data.loader import dummy_batch
-    from perf import backend as perf_backend
-    from perf.cuda_graphs.contract import build_run, run_state
-
-    class QuietLog:
-        def print0(self, *args, **kwargs):
-            pass
-
-    with perf_backend.use_backend(host_checks=False, cuda_graphs=graphed):  # host checks: as on a GPU
-        run = build_run(config, seed=seed)
-        run.warmup([], QuietLog(), horizon=steps)
-        run.reset()
-        if run.graphs is not None:
-            run.graphs.freeze()
-        schedule, cfg = run.schedule, run.cfg
-        losses = []
-        end = min(steps, schedule.total_steps)
-
-        def batches(step: int) -> list | None:
-            if step >= end:
-                return None
-            tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
-            return [dummy_batch(tokens, schedule.doc_cap(step), seed=1000 * step + r, **run.hash_sizes)
-                    for r in run.setup.virtual_ranks]
-
-        following = batches(0)
-        for step in range(end):
-            current, following = following, batches(step + 1)  # one ahead, as the loop (row prefetch)
-            losses.append(run.train_step(step, current, following).item())
-        run.flush()  # the last update's fp8 refresh
-    state = {name: t.detach().to("cpu", copy=True) for name, t in run_state(run) if t is not None}
-    return losses, state, run.graphs
-
-
-def graphed_vs_eager(config: str = "smoke", steps: int = 6, seed: int = 0) -> tuple[str, int]:
-    """(a report, an exit code): the graphed steps against the eager ones, losses and every state
-    tensor compared bit for bit."""
-    eager_losses, eager_state, _ = train_steps(config, steps, graphed=False, seed=seed)
-    losses, state, graphs = train_steps(config, steps, graphed=True, seed=seed)
-    lines = [f"--config {config}, {len(losses)} step(s): {graphs.summary()}"]
-    bad = [f"step {i}: loss {a!r} graphed, {b!r} eager" for i, (a, b) in enumerate(zip(losses, eager_losses)) if a != b]
-    for name, t in eager_state.items():
-        other = state.get(name)
-        if other is None or other.shape != t.shape or not torch.equal(
-                other.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)):
-            bad.append(f"state {name} differs after the steps")
-    if bad:
-        lines += bad[:20] + [f"FAIL: {len(bad)} difference(s) between the graphed and the eager run"]
-        return "\n".join(lines), 1
-    lines.append(f"PASS: losses and {len(eager_state)} state tensors bit for bit equal, graphed and eager")
-    return "\n".join(lines), 0
-
-
-def main(argv=None) -> int:
-    import argparse
-    ap = argparse.ArgumentParser(description="Train a preset's first steps with every region captured and "
-                                             "replayed (on CPU: the tape twin) and eagerly; compare bit for bit.")
-    ap.add_argument("--config", default="smoke", help="run preset (default: smoke)")
-    ap.add_argument("--steps", type=int, default=6, help="training steps, from step 0 (default: 6)")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    text, code = graphed_vs_eager(args.config, args.steps, args.seed)
-    print(text)
-    return code
-
-
-if __name__ == "__main__":
-    import sys
-    sys.exit(main())

@@ -1,10 +1,10 @@
 """The fused softcapped cross-entropy of record #360: loss, lse and logit gradient, lse differentiable.
 
 The math is defined in model/loss.py (`softcap`, `softcapped_ce`: the softcap, lse and the per-row
-terms). A kernel imports no model file (DESIGN "Layout"), so this module restates it, and
+terms). A kernel imports no model file (docs/design.md, "Import rules"), so this module restates it, and
 tests/kernels/test_kernels_cross_entropy.py holds every twin and kernel here to that definition.
 Per row t of the logits ℓ [T, N] (N = 50304 for the full softmax, or the sampled-softmax width P),
-with the softcap z = 23·σ((ℓ + 5)/7.5) (record #360 modules §5.2):
+with the softcap z = 23·σ((ℓ + 5)/7.5) (record #360: track_1_short/perf/kernels/cross_entropy.py):
     L_t = Σ_k [t+k < T]·w_k·(lse_t − z_t[y_{t+k}]) + [p_t ≥ 0]·w_p·(lse_t − z_t[p_t]),  lse_t = ln Σ_c exp z_tc
 where targets outside [0, N) are skipped. z ∈ (0, 23), so lse = 23 + ln Σ exp(z − 23) needs no
 running max (the record's fixed-max LSE). Both Σ_t L_t and lse [T] are differentiable: with the

@@ -4,7 +4,7 @@ portable twin (plain PyTorch, defines the math) and a Triton fast path, dispatch
 
     out = relu(x @ W1ᵀ)² @ W2        W1 = c_fc [H, D], W2 = c_proj [H, D], x the normed residual [T, D]
 
-Training (record_360.md §4.3), all scales per-tensor fp32, per bank slot k:
+Training (record #360: track_1_short/perf/kernels/mlp.py), all scales per-tensor fp32, per bank slot k:
   s_x = 2⁻⁴ static (post-RMS-norm rows have max|x| ≤ √768 < 448·2⁻⁴); s_w1[k], s_w2[k] exact
   (bf16 amax/448) for the first 16 refreshes after init or `rearm`, then the previous refresh's
   per-64×64-tile amaxes × 1.12/448; s_post[k] delayed (last step's amax of relu(pre)² × 1.03/448);
@@ -349,7 +349,7 @@ def _up_relu2_bf16_kernel(
 
 
 # Launch configurations by name; tests compile every "cuda*" one for SM90 (tests/kernels).
-# record #360 §4.3: tile 128×256×(128 fp8 / 64 bf16), 8 warps, persistent grid. Three pipeline stages
+# record #360's MLP kernel: tile 128×256×(128 fp8 / 64 bf16), 8 warps, persistent grid. Three pipeline stages
 # of 48 KiB operands compile to 176 KiB of shared memory (H100: 227 KiB); the record found its depth
 # by trial launch, here tests/kernels/test_kernels_compile_sm90.py checks the fit without a GPU.
 TILES = {

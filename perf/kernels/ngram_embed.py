@@ -1,13 +1,13 @@
 """N-gram embedding output: two looked-up table rows, each multiplied by a ±1 sign row, summed per token.
 
-Record #360 §2.2 and modules §4.3: per token t the model adds
+Record #360 (track_1_short/ngram_table.py, track_1_short/perf/kernels/ngram_embed.py): per token t the model adds
     B[t] = row_bi[t] ⊙ sign[sign_bi[t]] + row_tri[t] ⊙ sign[sign_tri[t]]
 computed in fp32 and stored in bf16 with one rounding. The rows come already gathered from this
 rank's n-gram cache as one [2T, D] tensor (bigram rows first, then trigram rows): a leaf, the
 "sink", whose gradient is the row-sparse gradient the n-gram Adam consumes. Its backward is
     d_rows[t] = dB[t] ⊙ sign[sign_bi[t]],   d_rows[T + t] = dB[t] ⊙ sign[sign_tri[t]]     (bf16)
 so the cache and the table never get a dense gradient. The record fused this into one kernel so
-AOTAutograd does not recompute the gathers (worth 3.4 ms/step, §7).
+AOTAutograd does not recompute the gathers (worth 3.4 ms/step, record #360's README).
 
 Public function, dispatched on `perf.backend.current().triton` when called:
     ngram_embed(rows, sign_pool, sign_rows) -> (T, D) in rows' dtype

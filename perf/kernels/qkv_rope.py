@@ -10,11 +10,11 @@ their e4m3 quantize in one kernel. Same math as model/attention.py's unfused pat
     backward: g8, g8ᵀ = e4m3(dtype(∂(q, k)/∂qk) ‖ dv) / s_g)       qkv_rope_backward_*      1 launch
               dW′ = g8ᵀ·x8, dx = g8·W8 (torch._scaled_mm, no fast accumulation)              2 GEMMs
 
-Scales (record #360 modules §2.9, perf/fp8.py): s_x = 8/448 static, s_w = amax(W)/448 exact per
+Scales (record #360: track_1_short/model/attention.py; perf/fp8.py): s_x = 8/448 static, s_w = amax(W)/448 exact per
 layer, sa0 folded into the dequant scale, s_g = 1/448 static. The norm is per head, fp32, no weight,
 eps = F.rms_norm's; rotary y = factor1·n + factor2·swap(n) with bf16 tables (model/rotary.py);
-paired layers rotate even heads at position 2t and odd heads at 2t+1 (§2.5); the key offset gives
-key t the stationary dims (≥ rotary_dim) of key t−1's normed vector, key 0 keeping its own (§2.4).
+paired layers rotate even heads at position 2t and odd heads at 2t+1 (the paired heads); the key offset gives
+key t the stationary dims (≥ rotary_dim) of key t−1's normed vector, key 0 keeping its own (the partial key offset).
 
 Launches per attention layer and training step, against record #360's `PackedFP8QKVFunction`:
 forward 1 quantize + 1 GEMM (2 on paired layers, so V is dense) + 1 epilogue, as upstream (which
@@ -63,7 +63,7 @@ def _swap_pairs(u: Tensor) -> Tensor:
 
 def _rotate(u: Tensor, factor1: Tensor, factor2: Tensor) -> Tensor:
     """model/rotary.py `rotate`, op for op. The rotation is defined there; a kernel module imports no
-    model file (DESIGN "Layout"), so the twin restates its two ops and the parity test
+    model file (docs/design.md, "Import rules"), so the twin restates its two ops and the parity test
     (tests/kernels/test_kernels_qkv_rope.py, against model/attention.py normed_rotary_qk) holds it to
     the definition bit for bit."""
     return factor1.float() * u + factor2.float() * _swap_pairs(u)
@@ -71,7 +71,7 @@ def _rotate(u: Tensor, factor1: Tensor, factor2: Tensor) -> Tensor:
 
 def _head_factors(factor1: Tensor, factor2: Tensor, num_heads: int, paired: bool) -> tuple[Tensor, Tensor]:
     """The tables broadcast over [T, 2H, d] (Q heads then K heads): paired rows [T, 2d] give even heads
-    the first half (position 2t), odd heads the second (2t+1), record #360 §2.5."""
+    the first half (position 2t), odd heads the second (2t+1), record #360's track_1_short/model/attention.py."""
     T = factor1.shape[0]
     if paired:
         d = factor1.shape[1] // 2

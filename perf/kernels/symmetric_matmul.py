@@ -1,10 +1,10 @@
 """Symmetric products of the ANVIL cascade: Gram matrices X·Xᵀ, Xᵀ·X and the map polynomial b·A + c·A².
 
-Each ANVIL map (record #360 §3, step 4) computes X ← aX + B·X (or X·B) with B = b·A + c·A², where
-A is the Gram matrix of X: A = XᵀX when the matrix has more rows than columns, else XXᵀ. Both A and
-B are symmetric, so a kernel only needs the tiles on and above the diagonal and mirrors them; that
-halves the multiply-adds of every Gram and every A² in the cascade. Per-rank chunk shapes in the
-record (§3): qk (6, 256, 768) -> xxt (6, 256, 256); vo (2, 768, 768) -> xxt (2, 768, 768);
+Each ANVIL map (record #360: track_1_short/optim/anvil.py, step 4) computes X ← aX + B·X (or X·B)
+with B = b·A + c·A², where A is the Gram matrix of X: A = XᵀX when the matrix has more rows than
+columns, else XXᵀ. Both A and B are symmetric, so a kernel only needs the tiles on and above the
+diagonal and mirrors them; that halves the multiply-adds of every Gram and every A² in the cascade. Per-rank chunk shapes in the
+record: qk (6, 256, 768) -> xxt (6, 256, 256); vo (2, 768, 768) -> xxt (2, 768, 768);
 mlp (3, 2816, 768) -> xtx (3, 768, 768).
 
 Public functions (bf16 in, fp32 accumulation, bf16 out), dispatched on `perf.backend.current().triton`:

@@ -1,6 +1,6 @@
 """Tiled transposes between the token embedding [V, 768] and the lm_head stored transposed [768, V].
 
-While the embedding is tied to the lm_head (record #360 §3.3, modules §10.6: every step up to the
+While the embedding is tied to the lm_head (record #360: track_1_short/training.py, every step up to the
 split step 1175), the optimizer adds embed's gradient, transposed, into lm_head's gradient, and after
 lm_head's all-gather copies lm_headᵀ back into embed. Both are one pass over a 50304 × 768 matrix;
 the kernels read and write whole tiles so both sides stay coalesced.

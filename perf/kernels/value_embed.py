@@ -1,11 +1,11 @@
 """Value-embedding lookup: a row gather whose backward scatter-adds the row gradients.
 
-`value_embeds` is [4·V, 768] bf16 (record #360 §2.2, modules §1.2): plane p holds rows [p·V, (p+1)·V)
+`value_embeds` is [4·V, 768] bf16 (record #360: track_1_short/model/gpt.py): plane p holds rows [p·V, (p+1)·V)
 and serves one of the value-embedding layers (1, 2, 8, 10). The forward gathers the rows of this
 batch's tokens; the backward sums the gradients of repeated rows (a batch repeats common tokens
 thousands of times) in fp32 and adds the sums to the destination with one rounding. In the record
 the destination is a persistent fp16 buffer [4·V, 768] that accumulates the row gradients of the
-steps of one update cycle (modules §10.5), so the parameter never gets a dense `.grad`.
+steps of one update cycle (track_1_short/perf/value_embed_pull.py), so the parameter never gets a dense `.grad`.
 
 Public function, dispatched on `perf.backend.current().triton` when called:
     value_embed(table, ids, grad_buffer=None) -> table[ids]          shape ids.shape + (D,)

@@ -13,7 +13,7 @@ def i32(v: int) -> int:
 
 
 def brute_rows(x: list[int], half: int) -> list[int]:
-    """Record #360 (modules §4.2), one position at a time; Python's % is the floor modulo."""
+    """Record #360 (track_1_short/ngram_table.py), one position at a time; Python's % is the floor modulo."""
     m = half - 1
     bigram, trigram = [], []
     for t in range(len(x)):
@@ -31,7 +31,7 @@ def brute_rows(x: list[int], half: int) -> list[int]:
 
 
 def brute_signs(x: list[int], pool: int) -> list[int]:
-    """Record #360 (modules §4.3): & (pool - 1) of the wrapped int32 hash; row 0 with short history."""
+    """Record #360 (track_1_short/ngram_table.py): & (pool - 1) of the wrapped int32 hash; row 0 with short history."""
     bigram = [0 if t < 1 else i32(i32(30011 * x[t - 1]) ^ i32(48271 * x[t])) & (pool - 1) for t in range(len(x))]
     trigram = [0 if t < 2 else i32(i32(26801 * x[t - 2]) ^ i32(39779 * x[t - 1]) ^ i32(58699 * x[t])) & (pool - 1)
                for t in range(len(x))]
@@ -73,7 +73,7 @@ def test_products_really_wrap():
 
 
 def test_record_89_hand_value_at_position_one():
-    # record_89.md §7.5: with 377,280 rows (M = 377,279), 27191 * M wraps to 1,668,658,697, so the
+    # record #89's train_gpt.py bigram hash: with 377,280 rows (M = 377,279), 27191 * M wraps to 1,668,658,697, so the
     # bigram row at t = 1 depends on x[1] alone: (36313 * x[1] XOR 1668658697) mod M.
     x1 = 464
     expected = ((36313 * x1) ^ 1_668_658_697) % 377_279

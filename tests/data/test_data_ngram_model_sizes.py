@@ -18,7 +18,7 @@ def test_smoke_sizes_by_hand():
     # the data defaults are the record model's
     assert ngram_hash_sizes(MODEL_PRESETS["record"]) == {"ngram_half_rows": NGRAM_HALF_ROWS,
                                                          "sign_pool_rows": NGRAM_SIGN_POOL_ROWS}
-    assert (NGRAM_HALF_ROWS, NGRAM_SIGN_POOL_ROWS) == (42_301_440, 8192)  # record #360 (modules §4.1, §4.3)
+    assert (NGRAM_HALF_ROWS, NGRAM_SIGN_POOL_ROWS) == (42_301_440, 8192)  # record #360 (track_1_short/ngram_table.py)
 
 
 @pytest.mark.parametrize("fn", [TrainLoader.__init__, val_batches])

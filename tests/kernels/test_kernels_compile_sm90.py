@@ -108,7 +108,7 @@ compile_sm90(mlp._up_relu2_bf16_kernel, dict(x_ptr="*bf16", w1_ptr="*bf16", post
              mlp.TILES["cuda_bf16"], mlp_unit_strides)
 compile_sm90(qkv_rope._quantize_dual_kernel, dict(x_ptr="*bf16", x8_ptr="*fp8e4nv", x8_t_ptr="*fp8e4nv"),
              dict(INTERPRETER=False), qkv_rope.TILES["cuda_quantize"])
-# the record's attention layer kinds (modules §2.2): (d_qk, d_v, paired, key offset)
+# the record's attention layer kinds (track_1_short/model/attention.py): (d_qk, d_v, paired, key offset)
 for qk_dim, v_dim, paired, key_offset in ((64, 128, True, False), (64, 64, False, False), (128, 128, False, True)):
     rope = dict(NUM_HEADS=6, QK_DIM=qk_dim, ROTARY_DIM=64, EPS=qkv_rope.RMS_NORM_EPS, PAIRED=paired,
                 KEY_OFFSET=key_offset, INTERPRETER=False, BLOCK_D=qk_dim)

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.triton
 # Ragged shapes (not multiples of the interpreter's 16-wide tiles) exercise every mask; (M, K) with
 # M > K, M < K and M = K; 2-D inputs are a batch of one.
 SHAPES = [(2, 20, 37), (1, 33, 16), (40, 24), (3, 17, 17)]
-B, C = -6.095026865488, 3.905234618423  # record #360 §3: the first ANVIL map's (b, c)
+B, C = -6.095026865488, 3.905234618423  # record #360 (track_1_short/optim/anvil.py): the first ANVIL map's (b, c)
 
 
 def _sum_slack(terms: int, max_abs: float) -> float:

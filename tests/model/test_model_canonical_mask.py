@@ -22,8 +22,8 @@ SMALL_VOCAB = 3000  # GPT-2's first 3000 tokens are a BPE vocabulary of their ow
 
 
 @pytest.fixture(scope="module")
-def enc():
-    return tiktoken.get_encoding("gpt2")
+def enc(gpt2_bpe):
+    return gpt2_bpe
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def token_bytes(enc):
 
 
 @pytest.fixture(scope="module")
-def mask():
+def mask(gpt2_bpe):
     return cm.build_canonical_mask()  # the record's mask, uint8 [50304, 6288]
 
 

@@ -38,7 +38,7 @@ def test_smoke_forward_backward_is_finite():
     loss = model(inputs, targets, cu, rows, signs, step)
     loss.backward()
     assert torch.isfinite(loss)
-    # each CE term starts near ln(P): near-uniform logits (record #360 modules §1.8c)
+    # each CE term starts near ln(P): near-uniform logits (record #360: track_1_short/model/gpt.py)
     weights = (1 + 0.5 * (T - 1) / T + 0.25 * (T - 2) / T)
     per_token = loss.item() / T
     prefix_share = torch.isin(table[targets], cand).float().mean().item()  # other prefix terms drop
@@ -46,7 +46,7 @@ def test_smoke_forward_backward_is_finite():
     for name, p in model.named_parameters():
         assert p.grad is None or torch.isfinite(p.grad).all(), name
     assert torch.isfinite(rows.grad).all() and rows.grad.abs().sum() > 0
-    # bank rows the narrow layers never read get no gradient (record #360 modules §1.2)
+    # bank rows the narrow layers never read get no gradient (record #360: track_1_short/model/gpt.py)
     qk_grad = model.qk_bank.grad.view(8, 12, SMOKE.head_dim, -1)
     assert qk_grad[0, :, SMOKE.narrow_head_dim:].abs().sum() == 0  # slot 0 = layer 0, d_qk narrow
     assert qk_grad[7].abs().sum() == 0  # padding slot
@@ -81,12 +81,12 @@ def test_fused_residuals_equal_the_plain_expressions():
         torch.testing.assert_close(a.grad, b.grad, rtol=2e-3, atol=1e-6, msg=name)
 
 
-def test_capacity_on_a_repeated_text(tiny_shakespeare_path):
-    """A few hundred-ish steps of plain Adam memorise a short text (not the record optimizer)."""
-    import tiktoken
+def test_capacity_on_a_repeated_text():
+    """A hundred steps of plain Adam memorise a short text (not the record optimizer): 49 tokens of
+    the embedded corpus's process (data/synthetic.py) over 300 ids, so it needs no files."""
+    from data.synthetic import SyntheticProcess, SyntheticSpec
 
-    text = tiny_shakespeare_path.read_text()[:400]
-    ids = torch.tensor(tiktoken.get_encoding("gpt2").encode(text))
+    ids = torch.from_numpy(SyntheticProcess(SyntheticSpec(vocab=300)).sample(49, stream=0).astype("int64"))
     _, compact = torch.unique(ids, return_inverse=True)  # a small vocabulary keeps Adam cheap
     T = 48
     cfg = dataclasses.replace(SMOKE, vocab_size=256, ngram_rows=1024)
@@ -118,7 +118,7 @@ def test_bad_inputs_are_rejected():
 
 
 def test_dead_parameters_are_exactly_the_record_list():
-    """Record #360 modules §1.2 lists the parameters no layer reads; they (and only they) get zero grad."""
+    """Record #360 (track_1_short/model/gpt.py) has parameters no layer reads; they (and only they) get zero grad."""
     cfg = dataclasses.replace(SMOKE, vocab_size=512)
     torch.manual_seed(3)
     model = GPT(cfg, dtype=torch.float32, fp8=False)

@@ -4,7 +4,7 @@ import math
 from config import MODEL_PRESETS
 from model.summary import build_on_meta, format_summary, main, parameter_count
 
-# The parameter table of record_360.md §2.2 (and the brief's interface list), written out by hand.
+# The parameter table of record #360 (track_1_short/model/gpt.py), written out by hand.
 RECORD_SHAPES = {
     "lm_head.weight": (768, 50304), "embed.weight": (50304, 768), "value_embeds": (4 * 50304, 768),
     "ve_gate_bank": (3, 6, 12), "qk_bank": (48, 256, 768), "vo_bank": (16, 768, 768),

@@ -1,6 +1,6 @@
 """Adam side: the table covers every parameter, Adam's formula, the odd-step cadence, the
 value-embed change at step 336, the split-step moment transfer, and the n-gram row-sparse Adam
-(record_360.md §3.3, record_360_modules.md §4.4-4.5, §10)."""
+(record #360: track_1_short/training.py, track_1_short/ngram_table.py)."""
 import math
 
 import pytest

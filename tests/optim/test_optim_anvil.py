@@ -1,5 +1,6 @@
-"""ANVIL and NorMuon against plain fp32 implementations written here (record_360.md §3,
-record_89.md §6), the cascade's singular-value envelope, and the master-weight sidecar."""
+"""ANVIL and NorMuon against plain fp32 implementations written here (record #360's
+track_1_short/optim/anvil.py, record #89's train_gpt.py), the cascade's singular-value envelope, and
+the master-weight sidecar."""
 import math
 
 import numpy as np

@@ -101,7 +101,7 @@ def record_gpt_on_meta():
 
 def test_record_gpt_on_meta_gets_the_record_table(record_gpt_on_meta):
     """Record size without memory: every parameter has its entry and the banks the matrix views
-    of modules §10.2; the model marks mlp slot 7's matrices (14, 15) frozen."""
+    of record #360's track_1_short/training.py; the model marks mlp slot 7's matrices (14, 15) frozen."""
     model = record_gpt_on_meta
     with torch.device("meta"):
         mgr = OptimizerManager(model.named_parameters(), RECORD)

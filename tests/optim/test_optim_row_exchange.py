@@ -264,15 +264,19 @@ def test_close_stops_the_prep_thread_and_plans_still_match():
     reference); close() stops the thread, and a later plan still works."""
     import threading
 
+    def prep_threads():  # other tests' exchanges may still hold theirs: count only this one's
+        return {t for t in threading.enumerate() if t.name.startswith("row-plans")} - before
+
+    before = {t for t in threading.enumerate() if t.name.startswith("row-plans")}
     ids = torch.tensor([7, 3, 7, 60, 3, 0], dtype=torch.int32)
     exchange = RowExchange(ROWS, 0, 1, "cpu")
     exchange.prepare(ids)
     plan = exchange.plan(ids)
     unique, inverse = np.unique(ids.numpy().astype(np.int64), return_inverse=True)
     assert np.array_equal(plan.unique, unique) and np.array_equal(plan.inverse, inverse)
-    assert any(t.name.startswith("row-plans") for t in threading.enumerate())
+    assert prep_threads()
     exchange.close()
-    assert not any(t.name.startswith("row-plans") for t in threading.enumerate())
+    assert not prep_threads()
     assert np.array_equal(exchange.plan(ids).unique, unique)
     exchange.close()
 

@@ -1,4 +1,4 @@
-"""The schedule reproduces hand-listed record #360 numbers (reference: record_360_modules.md §7)."""
+"""The schedule reproduces hand-listed record #360 numbers (reference: track_1_short/schedule.py, config.py)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +23,7 @@ def test_stage_ends_split_and_totals(record):
     pin((record.total_steps, record.scheduled_steps), (1194, 1174), "(total, scheduled) steps")
     pin(record.split_step, 1175, "the split step")
     pin(record.cooldown_start, 234, "the cooldown's first step")
-    pin(sum(record.batch_tokens(s) for s in range(1194)), 328_663_040, "the training tokens (modules §7.4)")
+    pin(sum(record.batch_tokens(s) for s in range(1194)), 328_663_040, "the training tokens (schedule.py)")
 
 
 @pytest.mark.parametrize("step,expected", [

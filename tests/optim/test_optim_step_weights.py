@@ -27,7 +27,7 @@ def test_loaded_weights_are_the_schedule_values_at_fixed_addresses(preset):
 @recipe
 def test_geometries_of_the_record_schedule():
     """Six graphs for the record: stages 0 and 1, stage 2 with P = 14336 then 24576, the taper and
-    the extension (read off the stage table, record #360 modules §7.3)."""
+    the extension (read off the stage table, record #360's track_1_short/config.py)."""
     schedule = TrainingSchedule(SCHEDULE_PRESETS["record"])
     geometries = []
     for step in range(schedule.total_steps):

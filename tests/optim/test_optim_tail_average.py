@@ -1,4 +1,4 @@
-"""Tail averages: tick steps and rates of record #360 (modules §8.1), the accumulators against
+"""Tail averages: tick steps and rates of record #360 (track_1_short/tail_average.py), the accumulators against
 plain Python EMAs, and the ship (blends, order, decontraction)."""
 import pytest
 import torch

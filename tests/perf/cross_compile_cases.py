@@ -1,4 +1,4 @@
-"""Functions `python -m perf.cross_compile --function tests/perf/cross_compile_cases.py:NAME` [--sm SM] compiles
+"""Functions `python -m perf.tools.cross_compile --function tests/perf/cross_compile_cases.py:NAME` [--sm SM] compiles
 for the faked GPU (SM90 by default): each returns (fn, args), built on that device (fake tensors,
 shapes only).
 Used by tests/perf/test_perf_cross_compile.py."""
@@ -11,7 +11,7 @@ SLOTS = 12  # record #360: the MLP bank's slots, one scale each in a [12] buffer
 
 def _operands():
     """a (T, D) e4m3 row-major; w (H, D) e4m3, used as its transpose (D, H): column-major, as the MLP's
-    weight caches and cuBLASLt have it (graph inputs are whole tensors: see perf/cross_compile.py)."""
+    weight caches and cuBLASLt have it (graph inputs are whole tensors: see perf/tools/cross_compile.py)."""
     return torch.zeros(256, 128, dtype=E4M3), torch.zeros(512, 128, dtype=E4M3), torch.ones(SLOTS), torch.ones(SLOTS)
 
 

@@ -1,4 +1,4 @@
-"""perf/bench_host.py and the host work it times (issue 22, item 3), each optimisation against the
+"""perf/tools/bench_host.py and the host work it times (issue 22, item 3), each optimisation against the
 path it replaced:
 
 * the bench runs at a tiny size and prints every part, finite;
@@ -29,7 +29,7 @@ from optim.row_exchange import RowExchange, plan_push, unique_inverse
 from optim.schedule import TrainingSchedule
 from optim.standin import StandInParams
 from perf import backend as perf_backend
-from perf import bench_host
+from perf.tools import bench_host
 from perf.pinned_batches import PinnedBatchRing, PinnedStaging
 
 ROWS, DIM = 64, 8

@@ -1,5 +1,5 @@
 """The capture check's host and device bytes (perf/cuda_graphs/capture.py's HostStaging and the
-names of the state it leaves out; perf/cuda_graphs/cost.py's count on "meta"), against
+names of the state it leaves out; perf/tools/capture_cost.py's count on "meta"), against
 hand-computed numbers. The pool and the guard inside a capture are tested with the other capture
 tests, on their toy training (tests/perf/test_perf_cuda_graphs_capture.py)."""
 import math
@@ -88,8 +88,8 @@ def test_what_the_check_leaves_out_by_name():
 def smoke_cost():
     """Smoke's first 6 steps on one process: the keys its twin captures (test_perf_cuda_graphs_capture)."""
     from config import RUN_PRESETS
-    from perf.cuda_graphs.cost import capture_check_cost
-    from perf.memory import build_rank_on_meta
+    from perf.tools.capture_cost import capture_check_cost
+    from perf.checks.meta_rank import build_rank_on_meta
     rank = build_rank_on_meta(RUN_PRESETS["smoke"], 1)
     return rank, capture_check_cost(rank, horizon=6)
 

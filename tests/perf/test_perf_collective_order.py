@@ -1,4 +1,4 @@
-"""One order of collectives on every rank (perf/collective_order.py, issue 22 item 2).
+"""One order of collectives on every rank (perf/checks/collective_order.py, issue 22 item 2).
 
 * The comparison itself, on hand-built sequences: a swap, a missing collective, all_to_all rows a
   peer does not expect, a group that does not span every rank.
@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from perf.collective_order import Collective, CollectiveOrderError, CollectiveRecorder, compare_sequences
+from perf.checks.collective_order import Collective, CollectiveOrderError, CollectiveRecorder, compare_sequences
 from tests.gloo_workers import run_workers
 
 
@@ -207,7 +207,7 @@ WORKER = textwrap.dedent('''
     from optim.manager import NgramRowOptimizer, OptimizerManager, RowExchange
     from optim.schedule import TrainingSchedule
     from optim.standin import StandInParams
-    from perf.collective_order import CollectiveOrderError, CollectiveRecorder
+    from perf.checks.collective_order import CollectiveOrderError, CollectiveRecorder
 
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -1,11 +1,11 @@
-"""perf/cost.py: the FLOP counter against hand formulas, its bytes against a hand-counted graph, the
+"""perf/checks/cost.py: the FLOP counter against hand formulas, its bytes against a hand-counted graph, the
 attention's pairs against a brute-force mask, the optimizer's collectives against the banks' sizes, the
 smoke model's GEMMs against 6·N·T, the datasheet peaks, the roofline, tokens/s, MFU and the peak fraction."""
 import pytest
 import torch
 
 from config import RUN_PRESETS
-from perf import cost
+from perf.checks import cost
 from perf.attention_backends import varlen_attention_mask
 from perf.fp8 import E4M3, scaled_mm
 
@@ -53,7 +53,7 @@ def test_attention_pairs_match_a_brute_force_mask(window):
 
 @pytest.fixture(scope="module")
 def smoke_rank():
-    from perf.memory import build_rank_on_meta
+    from perf.checks.meta_rank import build_rank_on_meta
 
     return build_rank_on_meta(RUN_PRESETS["smoke"], 2)
 
@@ -64,7 +64,7 @@ def test_the_smoke_models_gemms_are_6_n_t_of_the_parameters_the_step_uses(smoke_
     of a forward and backward are 6·N·T within 0.5%, at the full softmax and a sampled one: N counts
     the MUDD and gate matrices whole, and the smaller MUDD block and the post gate use fewer rows of
     theirs (measured 0.9985 on smoke, 0.99994 on the record)."""
-    from perf.memory import geometries
+    from perf.checks.meta_rank import geometries
 
     for settings, steps in geometries(smoke_rank.schedule):
         g = cost.geometry_cost(smoke_rank, settings, steps)
@@ -85,7 +85,7 @@ def test_the_smoke_models_gemms_are_6_n_t_of_the_parameters_the_step_uses(smoke_
 def test_the_step_counts_the_triton_kernels_as_kernels(smoke_rank):
     """Under fused_kernels the fp8 CE is one kernel each way, reading the e4m3 logits [T, N] once and
     writing lse (forward) or the e5m2 gradient (backward): its twin's fp32 slabs are not counted."""
-    from perf.memory import geometries
+    from perf.checks.meta_rank import geometries
 
     settings, steps = geometries(smoke_rank.schedule)[0]
     g = cost.geometry_cost(smoke_rank, settings, steps)
@@ -203,7 +203,7 @@ def test_host_table_bytes_by_hand():
     """The record's stage-0 step on 1 process (8 micro-batches of 16,384 tokens): 262,144 ids, 58%
     distinct (152,043.52 rows), bf16 rows of 768 (1,536 bytes): 233,538,846.7 bytes; a table event
     reads and writes back half a 4-step cycle's ids."""
-    from perf.cost import host_table_bytes
+    from perf.checks.cost import host_table_bytes
     cfg = RUN_PRESETS["record"]
     assert host_table_bytes(cfg, 16_384, 8, False) == {"n-gram row gather, host→device (bf16)": 233_538_846}
     event = host_table_bytes(cfg, 16_384, 8, True)

@@ -1,7 +1,7 @@
-"""The cross-compile (perf/cross_compile.py, perf/fake_gpu.py): what an H100, an L40S / RTX 4090 or an
+"""The cross-compile (perf/tools/cross_compile.py, perf/tools/fake_gpu.py): what an H100, an L40S / RTX 4090 or an
 A100 compiles, built on a CPU.
 
-The slow tests run `python -m perf.cross_compile` in a subprocess (it re-executes itself with the fake
+The slow tests run `python -m perf.tools.cross_compile` in a subprocess (it re-executes itself with the fake
 device's preloaded library): one smoke training geometry forward and backward for SM90 with Triton,
 fp8, the fused QKV path and the FA3 stand-in; two single-GEMM graphs that pin the `_scaled_mm`
 scale-view failure inductor met before fp8 GEMMs became an opaque op; and for an L40S (SM89) flex
@@ -25,7 +25,7 @@ import torch
 from config import RUN_PRESETS, ConfigError
 from perf import attention_backends as ab
 from perf.backend import detect
-from perf.cross_compile import GraphReport, GraphSpec, count_wrapper, failing_op, plan_graphs
+from perf.tools.cross_compile import GraphReport, GraphSpec, count_wrapper, failing_op, plan_graphs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CASES = "tests/perf/cross_compile_cases.py"
@@ -38,7 +38,7 @@ MODEL_KERNELS = {"_up_relu2_fp8_kernel", "_dpre_fp8_kernel", "_quantize_dual_ker
 
 def _cross_compile(*args, timeout=1500):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "perf.cross_compile", *args], cwd=REPO_ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "perf.tools.cross_compile", *args], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -72,8 +72,8 @@ def test_plan_has_one_graph_per_geometry_and_the_validations():
 def test_each_faked_gpu_compiles_the_backend_a_run_on_it_gets(monkeypatch, sm, fp8, attention):
     """The backend comes from `perf.backend.detect` on the faked device's capability, as a run's
     does: an L40S / RTX 4090 keeps fp8 and falls back to flex attention, an A100 loses fp8 too."""
-    from perf.cross_compile import DEVICES_SM, describe_backend, target_backend
-    from perf.fake_gpu import DEVICES
+    from perf.tools.cross_compile import DEVICES_SM, describe_backend, target_backend
+    from perf.tools.fake_gpu import DEVICES
 
     assert set(DEVICES_SM) == set(DEVICES)  # --help's list is the faked GPUs'
     device = DEVICES[sm]
@@ -88,7 +88,7 @@ def test_each_faked_gpu_compiles_the_backend_a_run_on_it_gets(monkeypatch, sm, f
 
 
 def test_command_line_names_the_faked_gpu_and_the_world_size(capsys):
-    from perf.cross_compile import parse_args
+    from perf.tools.cross_compile import parse_args
 
     args = parse_args(["--config", "recipe", "--world-size", "1", "--sm", "89", "--steps", "0"])
     assert (args.sm, args.world_size, args.steps) == (89, 1, [0])
@@ -117,14 +117,14 @@ def test_report_reads_the_wrapper_and_names_the_failing_op():
     wrapped.__cause__ = lowering
     assert failing_op(wrapped) == "aten._scaled_mm.default"
     assert failing_op(ValueError("no op here")) == "ValueError"
-    from perf.fake_gpu import KernelCompileError
+    from perf.tools.fake_gpu import KernelCompileError
     kernel = KernelCompileError("triton_poi_fused__to_copy_clamp_124", RuntimeError("PassManager::run failed"))
     assert "inductor's fusion of _to_copy_clamp" in str(kernel)
     assert failing_op(RuntimeError(f"InductorError: {kernel}")) == "Triton kernel triton_poi_fused__to_copy_clamp_124"
 
 
 def test_fa3_check_passes_ops_with_fake_kernels_and_names_those_without():
-    from perf.fake_gpu import fa3_standin
+    from perf.tools.fake_gpu import fa3_standin
 
     ab.check_fa3_compilable(fa3_standin(), device="cpu")  # forward and backward trace
 
@@ -155,7 +155,7 @@ def test_a_scaled_mm_scale_view_fails_naming_the_op_and_the_opaque_gemm_compiles
 
 @pytest.mark.slow
 def test_a_smoke_training_geometry_compiles_for_sm90_forward_and_backward(smoke_cross_compile):
-    """`python -m perf.cross_compile --config smoke --steps 0 --no-validation` (started in the
+    """`python -m perf.tools.cross_compile --config smoke --steps 0 --no-validation` (started in the
     background at collection: tests/conftest.py)."""
     code, out, err = smoke_cross_compile
     assert code == 0, out[-3000:] + err[-3000:]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from perf.cuda_graphs.capture import CudaGraph, ExcludedStateWritten, GraphMismatch, RegionGraphs, TapeGraph
-from perf.cuda_graphs.cost import KeyCheckCost
+from perf.tools.capture_cost import KeyCheckCost
 
 
 def _toy_training(graphed: bool, python_scalar: bool = False, make_graph=TapeGraph, device="cpu",
@@ -218,7 +218,7 @@ def test_tape_replays_views_of_its_own_allocations_and_python_constants():
 
 @pytest.mark.slow
 def test_smoke_steps_graphed_bitwise_like_eager(monkeypatch):
-    """The real step (`python -m perf.cuda_graphs.capture --config smoke --steps 6`): every region
+    """The real step (`python -m perf.tools.capture_compare --config smoke --steps 6`): every region
     captured in the warmup (checked bitwise against eager there) and replayed in the timed steps
     gives the eager losses and the eager final state, bit for bit (Python state a replay skips, a
     per-step number baked into a graph or an input that does not reach the region through a static
@@ -226,7 +226,7 @@ def test_smoke_steps_graphed_bitwise_like_eager(monkeypatch):
     import dataclasses
 
     from config import RUN_PRESETS
-    from perf.cuda_graphs import capture
+    from perf.tools import capture_compare as compare
 
     # The warmup ends with a validation forward on one dummy validation batch; its loss is unused
     # here and it writes no state, but it flushes the last warmup update as in a run, so it still
@@ -235,17 +235,17 @@ def test_smoke_steps_graphed_bitwise_like_eager(monkeypatch):
     smoke = RUN_PRESETS["smoke"]
     monkeypatch.setitem(RUN_PRESETS, "smoke", dataclasses.replace(smoke, val_batch_tokens=1024, val_tokens=1024))
     runs = []   # the graphed run's RegionGraphs, for the byte count below
-    train_steps = capture.train_steps
-    monkeypatch.setattr(capture, "train_steps", lambda *a, **k: runs.append(train_steps(*a, **k)) or runs[-1])
-    text, code = capture.graphed_vs_eager("smoke", 6)
+    train_steps = compare.train_steps
+    monkeypatch.setattr(compare, "train_steps", lambda *a, **k: runs.append(train_steps(*a, **k)) or runs[-1])
+    text, code = compare.graphed_vs_eager("smoke", 6)
     assert code == 0 and "PASS" in text, text
     assert "forward_backward 1, fp8_refresh 1, optimizer 2" in text and "bitwise; replays 32" in text, text
 
-    # perf/cuda_graphs/cost.py's count on "meta" knows what each region writes: the same keys, and
+    # perf/tools/capture_cost.py's count on "meta" knows what each region writes: the same keys, and
     # every tensor the twin's warm-up saw change among the ones it counts (it may count more: a write
     # that keeps the bits, zeroing a zero gradient, changes no fingerprint)
-    from perf.cuda_graphs.cost import capture_check_cost
-    from perf.memory import build_rank_on_meta
+    from perf.tools.capture_cost import capture_check_cost
+    from perf.checks.meta_rank import build_rank_on_meta
     graphs = runs[-1][2]
     cost = {(k.region, k.key): set(k.written) for k in capture_check_cost(build_rank_on_meta(RUN_PRESETS["smoke"], 1),
                                                                           horizon=6).keys}
@@ -256,7 +256,7 @@ def test_smoke_steps_graphed_bitwise_like_eager(monkeypatch):
 
 def test_graphed_vs_eager_reports_a_difference(monkeypatch):
     """The CLI's comparison names what differs: a loss and a state tensor."""
-    from perf.cuda_graphs import capture
+    from perf.tools import capture_compare as compare
 
     def fake(config, steps, graphed, seed=0):
         state = {"qk_bank": torch.ones(3), "scalars": torch.zeros(2)}
@@ -264,8 +264,8 @@ def test_graphed_vs_eager_reports_a_difference(monkeypatch):
             state["qk_bank"] = torch.tensor([1.0, 1.0, 1.5])
         return [10.0 + graphed], state, RegionGraphs(TapeGraph, lambda: [])
 
-    monkeypatch.setattr(capture, "train_steps", fake)
-    text, code = capture.graphed_vs_eager("smoke", 1)
+    monkeypatch.setattr(compare, "train_steps", fake)
+    text, code = compare.graphed_vs_eager("smoke", 1)
     assert code == 1, text
     assert "step 0: loss 11.0 graphed, 10.0 eager" in text and "state qk_bank differs" in text, text
     assert "scalars" not in text and "FAIL: 2 difference(s)" in text, text
@@ -388,7 +388,7 @@ def test_warmup_plan_visits_every_repeated_key_twice(preset):
 
     import training
     from config import RUN_PRESETS
-    from perf.memory import build_rank_on_meta
+    from perf.checks.meta_rank import build_rank_on_meta
 
     rank = build_rank_on_meta(RUN_PRESETS[preset], 1)   # the run's manager and schedule, on "meta"
     schedule, manager = rank.schedule, rank.manager

@@ -1,4 +1,4 @@
-"""perf/cuda_graphs/contract.py: the CUDA-graph capture contract, on CPU.
+"""perf/tools/capture_contract.py: the CUDA-graph capture contract, on CPU.
 
 A toy model with the real OptimizerManager (an ANVIL bank and an Adam parameter, the smoke
 schedule) shows each injected violation caught and named, and checks that the device-scalar form
@@ -15,8 +15,9 @@ from optim.anvil import anvil_update
 from optim.manager import OptimizerManager
 from optim.normuon import normuon_update
 from optim.schedule import TrainingSchedule
-from perf.cuda_graphs import contract
-from perf.cuda_graphs.contract import ContractChecker, module_state, optimizer_state
+from perf.tools import capture_contract as contract
+from perf.tools.capture_contract import ContractChecker
+from perf.cuda_graphs.state import module_state, optimizer_state
 
 TOY_TABLE = {"w_bank": ParamRule("bank", "sharded", "every"),
              "gain": ParamRule("adam", "replicated", "adam", betas=(0.9, 0.99), lr_mul=2.0, wd_mul=3.0)}

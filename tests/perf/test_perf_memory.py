@@ -1,4 +1,4 @@
-"""perf/memory.py: the per-rank memory table and the peak estimate of a training step."""
+"""perf/tools/memory.py: the per-rank memory table and the peak estimate of a training step."""
 import math
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 from config import RUN_PRESETS
 from model.summary import build_on_meta
-from perf.memory import (GIB, LiveStorages, build_rank_on_meta, geometries, main, memory_report, saved_for_backward,
-                         static_items, step_memory)
+from perf.tools.memory import LiveStorages, main, memory_report, saved_for_backward, static_items, step_memory
+from perf.checks.meta_rank import GIB, build_rank_on_meta, geometries
 
 GB = 10 ** 9
 
@@ -160,7 +160,7 @@ def test_memory_command_ends_with_the_two_lines(capsys, record_report):
     assert lines[-2].startswith("static per rank: ") and lines[-2].endswith(" GiB")
     assert lines[-1].startswith("per-rank peak estimate: ") and lines[-1].endswith(" GiB")
     assert "warmup-reset snapshot" in "\n".join(lines)
-    # the capture check's section (perf/cuda_graphs/cost.py; its numbers: tests/perf/test_perf_capture_bytes.py)
+    # the capture check's section (perf/tools/capture_cost.py; its numbers: tests/perf/test_perf_capture_bytes.py)
     text = "\n".join(lines)
     assert "capture check (SPEEDRUN_CUDA_GRAPHS" in text and "bound: host bytes per rank ≤ 2 × the largest key's" in text
     assert "WARNING" not in text
@@ -197,8 +197,8 @@ def _imports(path) -> set[str]:
 
 
 def test_the_layout_keeps_its_import_rules():
-    """DESIGN "Layout": the model imports neither optim/ nor data/ (the memory report, which builds
-    the optimizer and the n-gram table, lives in perf/memory.py), and a kernel imports no model file.
+    """docs/design.md, "Import rules": the model imports neither optim/ nor data/ (the memory report, which builds
+    the optimizer and the n-gram table, lives in perf/tools/memory.py), and a kernel imports no model file.
     Read from the sources, lazy imports inside functions included."""
     from pathlib import Path
 

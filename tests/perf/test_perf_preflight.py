@@ -1,4 +1,4 @@
-"""perf/preflight.py: each check's decision over faked probe answers, the dry run, a CPU record run."""
+"""perf/checks/preflight.py: each check's decision over faked probe answers, the dry run, a CPU record run."""
 import os
 import shutil
 import subprocess
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from config import RUN_PRESETS
-from perf import preflight as pf
+from perf.checks import preflight as pf
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -181,7 +181,7 @@ def test_write_environment_is_atomic_and_complete(tmp_path):
 
 def _run(*args, cwd=REPO):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # never touch a GPU from a test
-    return subprocess.run([sys.executable, "-m", "perf.preflight", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "perf.checks.preflight", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

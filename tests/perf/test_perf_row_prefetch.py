@@ -8,7 +8,7 @@ import torch
 
 from data.loader import dummy_batch
 from perf import backend as perf_backend
-from perf.cuda_graphs.contract import build_run
+from perf.tools.capture_contract import build_run
 
 
 @pytest.fixture(scope="module")

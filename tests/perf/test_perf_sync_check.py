@@ -1,10 +1,10 @@
-"""perf/sync_check.py: what the CPU check flags (each kind of host sync a GPU would wait on), that it
+"""perf/checks/sync_check.py: what the CPU check flags (each kind of host sync a GPU would wait on), that it
 names the project line, that host_side() lets host work through, and that it sees compiled graphs."""
 import pytest
 import torch
 
-from perf import sync_check as sync_check_module
-from perf.sync_check import HostSyncError, host_side, sync_check
+from perf.checks import sync_check as sync_check_module
+from perf.checks.sync_check import HostSyncError, host_side, sync_check
 
 
 def _raises(fn, what: str):

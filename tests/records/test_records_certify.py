@@ -308,7 +308,7 @@ ABLATION = ["--candidate-args", "--set features.ngram=false --set 'model.note=tw
 def _exit_code(argv):
     try:
         return certify.main(argv)
-    except SystemExit as e:  # a command-line refusal (config_check.exit_on_config_error)
+    except SystemExit as e:  # a command-line refusal (cli.exit_on_config_error)
         return e.code
 
 

@@ -29,7 +29,7 @@ def test_log_holds_every_project_py_file_and_parses_back(tmp_path):
 
 
 def test_line_formats_match_upstream_text():
-    # Hand-written strings in the upstream formats (record #360 §5).
+    # Hand-written strings in the upstream formats (record #360: track_1_short/run_log.py).
     assert format_step_line(25, 1194, 437.6) == "step:25/1194 train_time:438ms step_avg:17.50ms"
     # ours appends tokens/s, the standard MFU and the peak fraction; the parser still reads the line
     ours = format_step_line(25, 1194, 437.6, 8.0e6, 0.312, 0.201)

@@ -99,6 +99,9 @@ def _bad_inputs(shards: Path, tmp: Path, checkpoint: Path, gap: Path = Path("gap
         ("an empty shard folder", ["--data-path", str(empty)], {},
          ["no training shards match *_train_*.bin", "no validation shards match *_val_*.bin"]),
         ("a missing data folder", ["--data-path", str(tmp / "nowhere")], {}, ["no such folder"]),
+        ("FineWeb not downloaded", ["--data-path", str(tmp / "fineweb10B")], {},
+         ["no such folder; pass --data-path DIR (or DATA_PATH) holding the shards, or get them with "
+          "`python data/cached_fineweb10B.py 1`"]),
         ("a checkpoint folder without model.pt", [*data, "--eval-checkpoint", str(empty)], {},
          ["no model.pt there"]),
         ("a checkpoint of another preset", [*data, "--eval-checkpoint", str(checkpoint)], {},
@@ -206,18 +209,18 @@ def test_a_good_configuration_passes_the_check(shards):
     ("optim.schedule", ["--world-size", "0"], "argument --world-size: 0: must be a positive integer"),
     ("model.summary", ["--world-size", "-8"], "argument --world-size: -8: must be a positive integer"),
     ("model.summary", ["--config", "huge"], "argument --config: invalid choice: 'huge'"),
-    ("perf.memory", ["--world-size", "0"], "argument --world-size: 0: must be a positive integer"),
-    ("perf.memory", ["--config", "smoke", "--world-size", "3"], "--world-size 3: must divide --config smoke's 2 ranks"),
-    ("perf.cost", ["--config", "dev", "--world-size", "3"], "--world-size 3: must divide --config dev's 8 ranks"),
-    ("perf.cuda_graphs.contract", ["--steps", "2"], "--steps 2: must be in [3, 70]"),
-    ("perf.cuda_graphs.contract", ["--config", "smoek"], "did you mean smoke?"),
-    ("perf.preflight", ["--config", "smoke", "--records-dir", "/proc/speedrun"], "--records-dir /proc/speedrun: "
+    ("perf.tools.memory", ["--world-size", "0"], "argument --world-size: 0: must be a positive integer"),
+    ("perf.tools.memory", ["--config", "smoke", "--world-size", "3"], "--world-size 3: must divide --config smoke's 2 ranks"),
+    ("perf.checks.cost", ["--config", "dev", "--world-size", "3"], "--world-size 3: must divide --config dev's 8 ranks"),
+    ("perf.tools.capture_contract", ["--steps", "2"], "--steps 2: must be in [3, 70]"),
+    ("perf.tools.capture_contract", ["--config", "smoek"], "did you mean smoke?"),
+    ("perf.checks.preflight", ["--config", "smoke", "--records-dir", "/proc/speedrun"], "--records-dir /proc/speedrun: "
                                                                                  "cannot write there"),
     ("records.certify", ["--baseline", "HEAD", "--candidate", "HEAD", "--runs", "1"], "--runs 1: needs at least 2"),
-    ("perf.bench_loader", ["--steps", "0"], "argument --steps: 0: must be a positive integer"),
-    ("perf.bench_optim", ["--world-size", "x"], "argument --world-size: 'x' is not an integer"),
-    ("perf.bench_residual_fusion", ["--candidates", "-1"], "argument --candidates: -1: must be an integer >= 0"),
-    ("perf.bench_rows", ["--text", "/nonexistent.txt"], "--text /nonexistent.txt: no such file"),
+    ("perf.tools.bench_loader", ["--steps", "0"], "argument --steps: 0: must be a positive integer"),
+    ("perf.tools.bench_optim", ["--world-size", "x"], "argument --world-size: 'x' is not an integer"),
+    ("perf.tools.bench_residual_fusion", ["--candidates", "-1"], "argument --candidates: -1: must be an integer >= 0"),
+    ("perf.tools.bench_rows", ["--text", "/nonexistent.txt"], "--text /nonexistent.txt: no such file"),
 ])
 def test_every_entry_point_refuses_in_one_line(module, argv, message, capsys):
     import importlib
@@ -231,7 +234,7 @@ def test_every_entry_point_refuses_in_one_line(module, argv, message, capsys):
 
 
 def test_set_parses_each_field_by_its_declared_type():
-    from config_check import apply_overrides
+    from cli import apply_overrides
 
     cfg, _ = train_gpt.parse_args(["--config", "smoke", "--set", "optim.anvil_lr=0.02", "--set", "schedule.stages.2.lr_mul=1.5",
                                    "--set", "schedule.stages.0.mtp_start=1,0.5", "--set", "seed=none",

@@ -103,7 +103,7 @@ def _main(*args):
 
 
 @pytest.fixture(scope="module")
-def one_process(checkpoint, tmp_path_factory):
+def one_process(checkpoint, tmp_path_factory, gpt2_bpe):
     """One in-process evaluation: HellaSwag from the local file, then a greedy sample."""
     if not evaluate.harness_available():
         pytest.skip("lm-eval not installed (pip install -r requirements-eval.txt)")
@@ -116,7 +116,7 @@ def one_process(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model(checkpoint):
+def model(checkpoint, gpt2_bpe):
     """The checkpoint built and loaded as evaluate.py does, on one process."""
     cfg, _ = evaluate.read_checkpoint(checkpoint)
     with perf_backend.use_backend(compile=False, cuda_graphs=False):
@@ -314,6 +314,13 @@ def test_a_malformed_hellaswag_file_is_refused_naming_the_line(capsys, checkpoin
     with open(data, "a") as f:
         f.write(line + "\n")
     assert why in _refused(capsys, checkpoint, "--tasks", "hellaswag", "--data", data)
+
+
+def test_without_gpt2s_bpe_files_it_says_how_to_get_them(capsys, checkpoint, monkeypatch):
+    """A fresh clone offline trains (the prefix table is stored) but cannot tokenize a task or prompt."""
+    monkeypatch.setattr(evaluate, "gpt2_bpe_available", lambda: False)
+    err = _refused(capsys, checkpoint, "--sample", "x")
+    assert "GPT-2's BPE files" in err and "TIKTOKEN_CACHE_DIR" in err and "get_encoding('gpt2')" in err
 
 
 def test_tasks_without_the_harness_say_how_to_install_it(capsys, checkpoint, monkeypatch):

@@ -1,6 +1,8 @@
 """train_gpt.py end to end on CPU: the failures a user meets, 1 vs 2 ranks, checkpoints, the smoke run.
 
-The shards are tokenized from ../shared/data/tinyshakespeare.txt into a temp dir once per module.
+The runs train on the embedded corpus (data/synthetic.py, the smoke preset's default data), written
+into a temp dir once per session (conftest's `synthetic_shards`), so they need nothing from outside
+the repository.
 In-process runs call train_gpt.main() (one process, no torchrun); the distributed ones launch
 torchrun with gloo in a subprocess.
 """
@@ -21,11 +23,8 @@ from records.run_record import NonFiniteLossError
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory, tiny_shakespeare_path):
-    out = tmp_path_factory.mktemp("shards")
-    subprocess.run([sys.executable, "data/tokenize.py", str(tiny_shakespeare_path), "--out", str(out),
-                    "--name", "tinyshakespeare"], cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
-    return out
+def shards(synthetic_shards):
+    return synthetic_shards
 
 
 def _runs(records):
@@ -135,7 +134,7 @@ def eager_three_steps(tmp_path_factory, shards):
 
 
 def test_a_cpu_run_records_tokens_per_second_its_overrides_and_no_mfu(eager_three_steps):
-    """perf/cost.py's RunCost on a CPU: tokens/s in the last step line and in runs.jsonl; no MFU (no
+    """perf/checks/cost.py's RunCost on a CPU: tokens/s in the last step line and in runs.jsonl; no MFU (no
     device peak to measure against); the --set assignments logged and recorded."""
     from optim.schedule import TrainingSchedule
 
@@ -231,7 +230,9 @@ def test_smoke_run_on_two_ranks_learns(smoke_run):
     print(f"smoke: untrained val loss {untrained:.4f}, final {final:.4f}, train time {entry['train_time_ms'] / 1000:.1f} s")
     assert vals[0][0] == 0 and vals[-1][0] == 70
     assert untrained == pytest.approx(torch.log(torch.tensor(50304.0)).item(), abs=0.05)  # uniform at init
-    assert final <= untrained - 1.5
+    # issue 34: on the embedded corpus the whole schedule ends at least 2 nats below ln 50304 (6.60 measured
+    # over 32,768 tokens; its entropy rate, the floor, is 2.72)
+    assert final <= untrained - 2.0
     assert "step:70/70 val_loss:" in out
     # torch 2.13 warns at every call of a deprecated collective name (perf/collectives.py picks the current ones)
     assert "FutureWarning" not in out and "DeprecationWarning" not in out, out
@@ -347,7 +348,7 @@ def _sync_in_row_exchange(monkeypatch):
                                            (_sync_in_row_exchange, "row exchange")])
 def test_sync_check_names_an_injected_sync(tmp_path, shards, monkeypatch, inject, where):
     from perf import backend as perf_backend
-    from perf.sync_check import HostSyncError
+    from perf.checks.sync_check import HostSyncError
 
     inject(monkeypatch)
     with perf_backend.use_backend(sync_check=True, host_checks=False):

@@ -1,7 +1,7 @@
 """CPU benchmark: the smoke model's forward+backward with the fused and with the plain residual
 expressions, side by side (same weights, same batch, alternating runs so load drifts hit both).
 
-    python -m perf.bench_residual_fusion --tokens 256 --steps 10 [--config smoke] [--threads 1]
+    python -m perf.tools.bench_residual_fusion --tokens 256 --steps 10 [--config smoke] [--threads 1]
                                          [--candidates 10240] [--fp32] [--no-fp8]
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 import torch
 from tqdm import tqdm
 
+from cli import ArgumentParser, exit_on_config_error, non_negative_int, positive_int
 from config import MODEL_PRESETS
-from config_check import ArgumentParser, exit_on_config_error, non_negative_int, positive_int
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
 
@@ -38,7 +38,7 @@ def step_seconds(model: GPT, batch, step: StepArgs) -> float:
 
 
 def main(argv=None) -> None:
-    parser = ArgumentParser(prog="python -m perf.bench_residual_fusion", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m perf.tools.bench_residual_fusion", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="smoke", choices=sorted(MODEL_PRESETS))
     parser.add_argument("--tokens", type=positive_int, default=256)
     parser.add_argument("--steps", type=positive_int, default=10)
@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=positive_int, default=1, help="intra-op threads (tiny ops: 1 is fastest)")
     parser.add_argument("--candidates", type=non_negative_int, default=0,
                         help="sampled softmax over this many classes (record stage 0: 10240); 0 = full softmax")
-    with exit_on_config_error("python -m perf.bench_residual_fusion"):
+    with exit_on_config_error("python -m perf.tools.bench_residual_fusion"):
         args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = MODEL_PRESETS[args.config]

@@ -1,7 +1,7 @@
 """Host batch-assembly time of the training loader for the record's stage-2 batch.
 
-    python perf/bench_loader.py                    # 49,152 tokens per rank, doc cap 3072, 8 ranks
-    python perf/bench_loader.py --tokens-per-rank 16384 --doc-cap 896
+    python perf/tools/bench_loader.py                    # 49,152 tokens per rank, doc cap 3072, 8 ranks
+    python perf/tools/bench_loader.py --tokens-per-rank 16384 --doc-cap 896
 
 Writes a synthetic shard (FineWeb-like document lengths: log-normal, median ~490, mean ~810 tokens)
 to a temp dir, then times TrainLoader.next_batch with prefetch off (the whole assembly: the 8-rank
@@ -15,11 +15,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when run as a script
 
 import numpy as np  # noqa: E402
 
-from config_check import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
+from cli import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from data.loader import TrainLoader, attention_segment_ends, document_spans  # noqa: E402
 from data.ngram import ngram_row_ids, ngram_sign_rows  # noqa: E402
 from data.shards import BOS_ID, read_shard, write_shard  # noqa: E402
@@ -40,14 +40,14 @@ def summary(times_s: list[float]) -> str:
 
 
 def main(argv=None):
-    parser = ArgumentParser(prog="python -m perf.bench_loader", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens-per-rank", type=positive_int, default=49152, help="stage 2 (record #360 §6.2)")
-    parser.add_argument("--doc-cap", type=positive_int, default=3072, help="stage 2 doc cap (record #360 §6.2)")
+    parser = ArgumentParser(prog="python -m perf.tools.bench_loader", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens-per-rank", type=positive_int, default=49152, help="stage 2 (record #360's config.py)")
+    parser.add_argument("--doc-cap", type=positive_int, default=3072, help="stage 2 doc cap (record #360's config.py)")
     parser.add_argument("--world-size", type=positive_int, default=8)
     parser.add_argument("--steps", type=positive_int, default=40)
     parser.add_argument("--shard-tokens", type=positive_int, default=40_000_000)
     parser.add_argument("--train-ms", type=float, default=33.0, help="simulated step time (#360 stage 2)")
-    with exit_on_config_error("python -m perf.bench_loader"):
+    with exit_on_config_error("python -m perf.tools.bench_loader"):
         args = parser.parse_args(argv)
     T, cap, W = args.tokens_per_rank, args.doc_cap, args.world_size
 

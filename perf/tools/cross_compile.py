@@ -3,11 +3,11 @@
 The faked GPU is an H100 (sm_90 cubins) by default; `--sm 89` fakes an L40S (an RTX 4090's
 architecture: sm_89), `--sm 80` an A100 (sm_80).
 
-    python -m perf.cross_compile --config smoke            # every training geometry and validation graph
-    python -m perf.cross_compile --config record --steps 681 --no-validation   # one record geometry
-    python -m perf.cross_compile --config recipe --world-size 1 --sm 89   # the one-GPU recipe on an L40S
+    python -m perf.tools.cross_compile --config smoke            # every training geometry and validation graph
+    python -m perf.tools.cross_compile --config record --steps 681 --no-validation   # one record geometry
+    python -m perf.tools.cross_compile --config recipe --world-size 1 --sm 89   # the one-GPU recipe on an L40S
 
-A CPU-only torch with one faked GPU (perf/fake_gpu.py: the process re-executes itself with a small
+A CPU-only torch with one faked GPU (perf/tools/fake_gpu.py: the process re-executes itself with a small
 preloaded library) compiles exactly what a run compiles: the backend `perf.backend.detect` picks for
 that GPU (SM90: Triton, fp8, fused QKV, FA3 through a stand-in op with a shape-only kernel; SM89: the
 same with flex attention for FA3; SM80: no fp8 either, so bf16 GEMMs and the unfused QKV), with the
@@ -45,7 +45,7 @@ import torch
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-DEVICES_SM = (90, 89, 80)  # perf/fake_gpu.py DEVICES: the GPUs --sm fakes (kept here so --help needs no torch import)
+DEVICES_SM = (90, 89, 80)  # perf/tools/fake_gpu.py DEVICES: the GPUs --sm fakes (kept here so --help needs no torch import)
 TRACEBACK_ENV = "SPEEDRUN_CROSS_COMPILE_TRACEBACK"  # 1: print each failing graph's whole traceback
 TEMP_CACHE_ENV = "SPEEDRUN_CROSS_COMPILE_TEMP_CACHE"  # the fresh cache folder this run made (removed at exit)
 
@@ -231,7 +231,7 @@ def cross_compile_cases(refs: list[str], progress=print) -> list[GraphReport]:
 
     from perf.backend import current, use_backend
     from perf.compile import compile_model
-    from perf.fake_gpu import on_fake_cuda
+    from perf.tools.fake_gpu import on_fake_cuda
 
     reports = []
     with FakeTensorMode(allow_non_fake_inputs=True), use_backend(**target_backend().__dict__):
@@ -258,7 +258,7 @@ def _capture() -> WrapperCapture:
 
 
 def _compile_one(spec: GraphSpec, compiled, args: tuple, contexts, capture: WrapperCapture) -> GraphReport:
-    from perf.fake_gpu import LEDGER
+    from perf.tools.fake_gpu import LEDGER
 
     report = GraphReport(spec)
     wrappers, ledger = len(capture.sources), LEDGER.mark()
@@ -288,7 +288,7 @@ def target_backend(env=os.environ):
 
     backend = detect(env, device="cuda")
     if not backend.compile or backend.compile_backend != "inductor":
-        raise ConfigError([f"perf.cross_compile compiles with inductor: unset SPEEDRUN_COMPILE and "
+        raise ConfigError([f"perf.tools.cross_compile compiles with inductor: unset SPEEDRUN_COMPILE and "
                            f"SPEEDRUN_COMPILE_BACKEND (found compile={int(backend.compile)}, "
                            f"backend {backend.compile_backend})"])
     return backend
@@ -313,7 +313,7 @@ def build_model(cfg, backend, world_size: int):
     from model.gpt import GPT
     from optim.manager import OptimizerManager
     from optim.schedule import TrainingSchedule
-    from perf.fake_gpu import on_fake_cuda
+    from perf.tools.fake_gpu import on_fake_cuda
 
     schedule = TrainingSchedule(cfg.schedule, cfg.features)
     with on_fake_cuda():
@@ -368,7 +368,7 @@ def cross_compile_preset(cfg, specs: list[GraphSpec], backward: bool = True, pro
     from perf import attention_backends
     from perf.backend import current, use_backend
     from perf.compile import compile_model
-    from perf.fake_gpu import fa3_standin
+    from perf.tools.fake_gpu import fa3_standin
 
     capture = _capture()
     backend = target_backend()
@@ -420,7 +420,7 @@ def format_table(reports: list[GraphReport], total_seconds: float) -> str:
 def parse_args(argv):
     from config import RUN_PRESETS
 
-    p = argparse.ArgumentParser(prog="python -m perf.cross_compile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m perf.tools.cross_compile", description=__doc__.split("\n")[0])
     p.add_argument("--config", choices=sorted(RUN_PRESETS), default="smoke", help="the preset whose graphs compile")
     p.add_argument("--sm", type=int, default=90, choices=sorted(DEVICES_SM, reverse=True),
                    help="the GPU to fake: 90 an H100 (default), 89 an L40S or RTX 4090 (fp8, no FA3), "
@@ -465,14 +465,14 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from perf import fake_gpu
+    from perf.tools import fake_gpu
 
     if not fake_gpu.preloaded():
         if not args.keep_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
             cache = tempfile.mkdtemp(prefix="speedrun_cross_compile_")  # cold: every kernel is built
             os.environ.update({"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
                                TEMP_CACHE_ENV: cache})
-        fake_gpu.reexec_with_preload(["-m", "perf.cross_compile", *argv])
+        fake_gpu.reexec_with_preload(["-m", "perf.tools.cross_compile", *argv])
     fake_gpu.install(args.sm, compile_workers=args.jobs)
     try:
         return _run(args)
@@ -486,13 +486,13 @@ def main(argv=None) -> int:
 
 def _run(args) -> int:
     from config import RUN_PRESETS, ConfigError
-    from perf.fake_gpu import DEVICES
+    from perf.tools.fake_gpu import DEVICES
 
     t0 = time.perf_counter()
     try:
         backend = target_backend()
     except ConfigError as exc:
-        print(f"perf.cross_compile: {exc}", file=sys.stderr)
+        print(f"perf.tools.cross_compile: {exc}", file=sys.stderr)
         return EXIT_USAGE
     device = f"one faked {DEVICES[args.sm].name} (SM{args.sm}, sm_{args.sm} cubins); backend: {describe_backend(backend)}"
     if args.function:

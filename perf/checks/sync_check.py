@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # aten ops whose result a GPU can only produce by waiting for the device (name -> what calls it)
 _SCALAR_READS = {

@@ -1,10 +1,10 @@
 """Host time of a record-shaped training step with the device work stubbed out: does the host keep
 33 ms steps fed? (issue 22, item 3)
 
-    python perf/bench_host.py --config record                # stage 2 steps, 49,152 tokens per rank
-    python perf/bench_host.py --config record --device-ms 33 # each step lasts 33 ms, as on the GPUs
-    python perf/bench_host.py --config record --start 340 --steps 48
-    python perf/bench_host.py --config smoke --steps 4       # tiny (the test)
+    python perf/tools/bench_host.py --config record                # stage 2 steps, 49,152 tokens per rank
+    python perf/tools/bench_host.py --config record --device-ms 33 # each step lasts 33 ms, as on the GPUs
+    python perf/tools/bench_host.py --config record --start 340 --steps 48
+    python perf/tools/bench_host.py --config smoke --steps 4       # tiny (the test)
 
 What runs is `training.Run.train_step` itself and the loop around it as train_gpt.py drives it
 (`loader.next_batches(step + 1)`, then `train_step(step, batches, following)`), for rank 0 of the
@@ -50,10 +50,10 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when run as a script
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -62,24 +62,17 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import optim.row_exchange as row_exchange  # noqa: E402
 import training  # noqa: E402
+from cli import ArgumentParser, add_set_argument, exit_on_config_error, positive_int, preset_run_config  # noqa: E402
 from config import RUN_PRESETS, ConfigError  # noqa: E402
-from config_check import (ArgumentParser, add_set_argument, exit_on_config_error, positive_int,  # noqa: E402
-                          preset_run_config)
-from data.loader import NO_NGRAM, TrainLoader  # noqa: E402
+from data.loader import TrainLoader  # noqa: E402
 from data.shards import BOS_ID, write_shard  # noqa: E402
-from data.ngram import ngram_hash_sizes  # noqa: E402
-from model.embeddings import NgramTable  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from model.loss import CandidateSampler  # noqa: E402
-from optim.manager import NgramRowOptimizer, OptimizerManager  # noqa: E402
 from optim.schedule import StepWeights, TrainingSchedule  # noqa: E402
 from perf import backend as perf_backend  # noqa: E402
-from perf.pinned_batches import PinnedBatchRing  # noqa: E402
-from perf.sync_check import host_side  # noqa: E402
+from perf.checks.sync_check import host_side  # noqa: E402
 
 STEP_MS = 33.0  # record #360: step_avg 33.4 ms (its README), the issue's round 33 ms
 # ours: token ranks drawn with p(r) ~ r^-1.05 give ~10.8k distinct targets in 49,152 tokens, record
-# #360's "about 11k distinct at batch 24" (modules §3.2); uniform tokens would give 24k, more than
+# #360's "about 11k distinct at batch 24" (track_1_short/sampled_softmax.py); uniform tokens would give 24k, more than
 # any candidate set holds
 ZIPF_EXPONENT = 1.05
 DEVICE = torch.device("meta")
@@ -103,7 +96,7 @@ PARTS = (
 
 def text_like_shard(path: Path, num_tokens: int, seed: int = 0) -> None:
     """A shard of documents with FineWeb-like lengths (log-normal, median ~490 tokens, as
-    perf/bench_loader.py) whose tokens follow a Zipf law over a shuffled vocabulary (ZIPF_EXPONENT)."""
+    perf/tools/bench_loader.py) whose tokens follow a Zipf law over a shuffled vocabulary (ZIPF_EXPONENT)."""
     rng = np.random.default_rng(seed)
     lengths = np.maximum(1, rng.lognormal(mean=6.2, sigma=1.0, size=num_tokens // 300)).astype(np.int64)
     lengths = lengths[:np.searchsorted(np.cumsum(lengths + 1), num_tokens)]
@@ -230,52 +223,28 @@ def launches(fn, *args) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
-# the run, built as Run.__init__ builds it, its device on "meta"
+# the run, built by Run.__init__ on "meta", then its device stubbed
 # ----------------------------------------------------------------------------------------------------
 
 
 def host_run(cfg, rank: int, world_size: int, backend) -> training.Run:
-    """A training.Run for `rank` of `world_size` (one batch per step) with its device tensors on
-    "meta" and the host-touched device scalars on the CPU (module docstring). Built field by field,
-    as Run.__init__ does, because the real one snapshots the weights to the host (impossible from
-    "meta"); call under StandInCollectives.installed()."""
-    features = cfg.features
-    setup = training.Setup.__new__(training.Setup)
-    setup.rank, setup.world_size, setup.device, setup.backend = rank, world_size, DEVICE, backend
-    setup.is_master, setup.accum, setup.virtual_ranks = rank == 0, 1, [rank]
-    run = training.Run.__new__(training.Run)
-    run.cfg, run.setup = cfg, setup
-    run.schedule = TrainingSchedule(cfg.schedule, features)
-    # built on the host, then moved: a "meta" default device would route the initializers through
-    # torch._refs, whose first use imports dynamo (seconds)
-    run.model = GPT(cfg.model, fp8=backend.fp8, features=features).to(DEVICE)
-    run.table = NgramTable(cfg.model, rank, world_size, device=DEVICE) if features.ngram else None
-    run.manager = OptimizerManager(run.model.named_parameters(), run.schedule, cfg.optim, keep_grads=True,
-                                   layout=(rank, world_size), absent=run.model.switched_off_parameters)
+    """A training.Run for `rank` of `world_size` (one batch per step), built by `Run.__init__` on
+    "meta" (`training.Setup` given the rank, nothing allocated or communicated), then stubbed as the
+    module docstring says: the host-touched device scalars and the step weights made real CPU
+    tensors, the persistent gradients in place, the regions replays of nothing. The banks' gathers
+    stay inside the (replayed) optimizer step: deferred gathers are off, as no collective of the
+    device runs here. Call under StandInCollectives.installed() (the row plans' host collectives)."""
+    backend = replace(backend, compile=False, cuda_graphs=False, deferred_gathers=False)
+    run = training.Run(cfg, training.Setup(cfg, rank, world_size, device=DEVICE, backend=backend))
     for e in run.manager.entries.values():  # tiny device tensors the host writes: real CPU ops
         e.scalars = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in e.scalars.items()}
         if e.matrix_mults is not None:
             e.matrix_mults = torch.ones(e.matrix_mults.shape, dtype=e.matrix_mults.dtype)
     for p in run.model.parameters():  # the persistent gradients a captured backward adds into
         p.grad = torch.zeros_like(p)
-    run.exchange = run.ngram_opt = None
-    if features.ngram:
-        run.exchange = row_exchange.RowExchange(cfg.model.ngram_rows, rank, world_size, DEVICE)
-        run.ngram_opt = NgramRowOptimizer(run.table.rows, run.table.rows.size(0), run.manager, run.exchange)
     run.step_weights = StepWeights(run.schedule, "cpu")
-    run.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size)
-                    for r in setup.virtual_ranks] if features.sampled_softmax else []
-    run.windows = run.schedule.windows(0)
-    run.lanes = None  # one virtual rank per process (setup.accum = 1)
     run.forward = None  # the regions are replays: the model never runs
-    run.hash_sizes = ngram_hash_sizes(cfg.model) if features.ngram else NO_NGRAM
-    run.graphs = None
     run.region_runner = NoOpReplay(run)
-    run.step_position = run.position = "setup"
-    run.static_inputs = {}
-    run.batch_ring = PinnedBatchRing(DEVICE) if backend.pinned_batches else None
-    run.fp8_refresh_pending = None
-    run.prefetched = None
     return run
 
 
@@ -496,7 +465,7 @@ def format_report(r: HostReport) -> str:
 
 
 def main(argv=None) -> HostReport:
-    prog = "python perf/bench_host.py"
+    prog = "python perf/tools/bench_host.py"
     with exit_on_config_error(prog):
         parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
         parser.add_argument("--config", default="record", choices=sorted(RUN_PRESETS))

@@ -1,11 +1,12 @@
 """What a training step costs, before renting and after: FLOPs, bytes moved, the time floor, MFU.
 
-    python -m perf.cost --config record                 # per geometry, per optimizer phase, the schedule's floor
-    python -m perf.cost --config dev --world-size 1
-    python -m perf.cost --config smoke
+    python -m perf.checks.cost --config record                 # per geometry, per optimizer phase, the schedule's floor
+    python -m perf.checks.cost --config dev --world-size 1
+    python -m perf.checks.cost --config smoke
 
 Everything is counted on "meta" (no allocation, seconds) from the project's own code, at one rank's
-shapes (`perf.memory.build_rank_on_meta`), by `FlopCounter`, a dispatch mode that sees every op:
+shapes (`perf.checks.meta_rank.build_rank_on_meta`: the run itself, built on "meta"), by `FlopCounter`, a
+dispatch mode that sees every op:
 * FLOPs: one training forward and backward per schedule geometry on the portable path, torch's own
   formulas (`torch.utils.flop_counter`) for every GEMM, sorted by kind: `torch._scaled_mm` and our
   fp8 custom ops are fp8 GEMMs, a bf16 `mm` a bf16 GEMM, others (fp32) fp32 GEMMs. The attention
@@ -23,7 +24,7 @@ shapes (`perf.memory.build_rank_on_meta`), by `FlopCounter`, a dispatch mode tha
   event or not), its FLOPs and bytes, its collectives replaced by counters: the bytes each rank
   sends per step, by kind;
 * the n-gram row pull (every step) and gradient push (each table event): from the unique-row ratios
-  `perf/bench_rows.py` measured at stage-2 shapes (below, stated), and their HBM traffic estimated.
+  `perf/tools/bench_rows.py` measured at stage-2 shapes (below, stated), and their HBM traffic estimated.
 The floor: a roofline of every op (a GEMM or the attention at max(its FLOPs at its kind's dense
 peak, its bytes at HBM bandwidth); a memory-bound op at its bytes), the single-reader fusion's
 savings taken off; communication at the NVLink bandwidth one GPU sends; overlapped (max) and serial
@@ -46,8 +47,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from cli import parse_preset_args
 from config import RUN_PRESETS, RunConfig
-from config_check import parse_preset_args
+from perf.checks.meta_rank import (PORTABLE_BACKEND, build_rank_on_meta, geometries, meta_step, standin_collectives,
+                            storage_key)
 
 aten = torch.ops.aten
 GEMM_KINDS = ("fp8 GEMM", "bf16 GEMM", "fp32 GEMM", "attention")
@@ -140,10 +143,6 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 class _Node:
     """One op (or one fused kernel) of the byte count: what it moved and whether it is memory-bound."""
     __slots__ = ("memory_bound",)
@@ -179,7 +178,7 @@ class FlopCounter(TorchDispatchMode):
         self._values.setdefault(key, (None, 0, []))[2].append((node, nbytes))
 
     def _write(self, node: _Node, t: torch.Tensor, nbytes: int) -> None:
-        key = _key(t)
+        key = storage_key(t)
         if key in self._values:
             self._finished.append(self._values[key])
         else:
@@ -219,14 +218,14 @@ class FlopCounter(TorchDispatchMode):
         if packet in _ALLOCATIONS:
             for t in _tensors(out):
                 if self._region is not None:
-                    self._region["fresh"].add(_key(t))
+                    self._region["fresh"].add(storage_key(t))
                 else:
                     self._write(_Node(False), t, 0)  # a fresh storage, nothing moved
             return
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
         mutable = func._schema.is_mutable
-        in_keys = {_key(t) for t in inputs}
-        if not mutable and outputs and all(_key(t) in in_keys for t in outputs):
+        in_keys = {storage_key(t) for t in inputs}
+        if not mutable and outputs and all(storage_key(t) in in_keys for t in outputs):
             return  # a view (or an alias): no bytes
         reads: dict[int, int] = {}
         writes: list[tuple[torch.Tensor, int]] = []
@@ -238,7 +237,7 @@ class FlopCounter(TorchDispatchMode):
                 nbytes = min(nbytes, max((footprint(u) for u in inputs[1:]), default=0))
             elif i == 0 and packet is aten.copy_:
                 continue  # the destination is written, not read
-            reads[_key(t)] = max(reads.get(_key(t), 0), nbytes)
+            reads[storage_key(t)] = max(reads.get(storage_key(t), 0), nbytes)
         for t in outputs:
             nbytes = footprint(t)
             if packet in _SCATTERS:
@@ -278,7 +277,7 @@ class FlopCounter(TorchDispatchMode):
             if key not in region["fresh"]:  # a tensor from outside, read once by the kernel
                 region["reads"][key] = max(region["reads"].get(key, 0), nbytes)
         for t, nbytes in writes:
-            key = _key(t)
+            key = storage_key(t)
             if not mutable:
                 region["fresh"].add(key)  # a new tensor: a temporary of the kernel, unless returned
             region["written"][key] = (t, max(nbytes, region["written"].get(key, (t, 0))[1]))
@@ -286,7 +285,7 @@ class FlopCounter(TorchDispatchMode):
             region["gemm"][gemm[0]] += gemm[1]
 
     def _close_region(self, region) -> None:
-        returned = {_key(t) for t in region["out"]}
+        returned = {storage_key(t) for t in region["out"]}
         node = _Node(not region["gemm"])
         total = 0
         for key, nbytes in region["reads"].items():
@@ -307,7 +306,7 @@ class FlopCounter(TorchDispatchMode):
         node = _Node(False)
         total = 0
         for t in reads:
-            self._read(node, _key(t), footprint(t))
+            self._read(node, storage_key(t), footprint(t))
             total += footprint(t)
         for t in writes:
             self._write(node, t, footprint(t))
@@ -443,7 +442,7 @@ class _AttentionShapes(torch.autograd.Function):
 # one rank's step: the model per geometry, the optimizer per phase, the n-gram rows
 # ----------------------------------------------------------------------------------------------------
 
-# perf/bench_rows.py at stage-2 shapes (8 ranks × 49,152 tokens, Tiny Shakespeare wrapped): 57k
+# perf/tools/bench_rows.py at stage-2 shapes (8 ranks × 49,152 tokens, Tiny Shakespeare wrapped): 57k
 # distinct n-gram ids of the 98k a rank's step holds (2 per token), and the README's push figures
 # (494-558 MB per rank per table event, fp32 rows of 768) put a 4-step cycle's distinct rows at about
 # half its ids. FineWeb's ratios differ; these are stated, not measured on it.
@@ -539,9 +538,8 @@ def step_parameters(model, softmax_p: int | None) -> dict[str, int]:
 
 
 def geometry_cost(rank, settings, steps) -> GeometryCost:
-    """Count one forward and backward at `settings`' geometry on "meta" (perf.memory's inputs)."""
+    """Count one forward and backward at `settings`' geometry on "meta" (meta_rank.meta_step's inputs)."""
     from model import attention as model_attention
-    from perf.memory import PORTABLE_BACKEND, meta_step
     from perf.backend import use_backend
 
     cfg, D = rank.cfg, rank.cfg.model.model_dim
@@ -562,42 +560,26 @@ def geometry_cost(rank, settings, steps) -> GeometryCost:
                         hbm, Traffic.of(counter, A), step_parameters(rank.model, settings.softmax_p))
 
 
-@contextlib.contextmanager
 def counted_collectives(sent: collections.Counter, world_size: int):
-    """The manager's collectives as counters of the bytes this rank sends on a ring (reduce-scatter
-    and all-gather: (W-1)/W of the full tensor; all-reduce: twice that), by collective and dtype."""
-    import torch.distributed as dist
-
-    import optim.manager as manager_module
-
-    class Done:
-        def wait(self):
-            pass
-
+    """The manager's collectives (perf.checks.meta_rank.standin_collectives) as counters of the bytes this
+    rank sends on a ring (reduce-scatter and all-gather: (W-1)/W of the whole tensor; all-reduce:
+    twice that), by collective and dtype."""
     share = (world_size - 1) / world_size
 
-    def reduce_scatter(out, full, op=None, group=None, async_op=False):
-        sent[f"reduce-scatter ({full.dtype})"] += int(full.numel() * full.element_size() * share)
-        return Done()
+    def note(kind: str, written: torch.Tensor, whole: torch.Tensor) -> None:
+        sent[f"{kind} ({whole.dtype})"] += int((2 if kind == "all-reduce" else 1) * whole.numel()
+                                               * whole.element_size() * share)
 
-    def all_gather(out, local, group=None, async_op=False):
-        sent[f"all-gather ({out.dtype})"] += int(out.numel() * out.element_size() * share)
-        return Done()
-
-    def all_reduce(t, op=None, group=None, async_op=False):
-        sent[f"all-reduce ({t.dtype})"] += int(2 * t.numel() * t.element_size() * share)
-        return Done()
-
-    with mock.patch.object(manager_module, "reduce_scatter_single", reduce_scatter), \
-            mock.patch.object(manager_module, "all_gather_single", all_gather), \
-            mock.patch.object(dist, "all_reduce", all_reduce), mock.patch.object(dist, "get_backend", lambda *a: "nccl"):
-        yield
+    return standin_collectives(note)
 
 
 def phase_costs(rank) -> list[PhaseCost]:
     """`OptimizerManager.step` once per optimizer phase of the schedule, on "meta", every parameter
     holding a gradient; the untie (once, at the split) is left out."""
     manager, schedule = rank.manager, rank.schedule
+    # the update as upstream's graphs run it: gradients released, not zeroed in place (the run's
+    # manager keeps them for its captured backward, `keep_grads`: not part of the record's step)
+    keep_grads, manager.keep_grads = manager.keep_grads, False
     found: dict = {}  # period4 and rails change constants, not work: grouped
     for step in range(schedule.total_steps):
         phase = manager.phase_at(step)
@@ -618,7 +600,7 @@ def phase_costs(rank) -> list[PhaseCost]:
                 manager.wait_gathers()
         rank.model.zero_grad(set_to_none=True)
         costs.append(PhaseCost(phase, steps, {k: counter.flops[k] for k in KINDS}, dict(sent), Traffic.of(counter)))
-    manager.split = False
+    manager.split, manager.keep_grads = False, keep_grads
     return costs
 
 
@@ -640,7 +622,7 @@ def ngram_sent_bytes(cfg: RunConfig, world_size: int, tokens: int, accum: int, t
 # ours: host↔device bandwidth a host-memory n-gram table moves rows at (PCIe Gen5 x16: 64 GB/s each
 # way on paper; 50 GB/s is what pinned copies reach in practice, the figure upstream PR #366 planned with)
 HOST_LINK_GB_PER_S = 50.0
-# perf.cost --config record (8 ranks, 2026-12-02): the fused floor is 30.04 s and record #360 ran in
+# perf.checks.cost --config record (8 ranks, 2026-12-02): the fused floor is 30.04 s and record #360 ran in
 # 39.9 s, 1.33× it; a prediction for fewer GPUs assumes the same fraction of its own floor
 RECORD_FLOOR_SECONDS = 30.04
 
@@ -715,8 +697,6 @@ class ScheduleCost:
 def schedule_cost(cfg: RunConfig, world_size: int | None = None, optimizer: bool = True) -> ScheduleCost:
     """Every geometry's and (with `optimizer`) every optimizer phase's cost for one rank of
     `world_size` processes."""
-    from perf.memory import build_rank_on_meta, geometries
-
     world_size = world_size or cfg.virtual_world_size
     rank = build_rank_on_meta(cfg, world_size)
     return ScheduleCost(cfg, world_size, [geometry_cost(rank, s, steps) for s, steps in geometries(rank.schedule)],
@@ -899,7 +879,7 @@ def _all_matrix_params(cost: ScheduleCost) -> int:
 
 
 def main(argv=None) -> None:
-    args = parse_preset_args("python -m perf.cost", __doc__.split("\n\n")[0], argv, RUN_PRESETS,
+    args = parse_preset_args("python -m perf.checks.cost", __doc__.split("\n\n")[0], argv, RUN_PRESETS,
                              world_size_help="processes (default: the preset's ranks, 8 for record and dev; "
                                              "2 for smoke)",
                              ranks_of=lambda name: RUN_PRESETS[name].virtual_world_size)

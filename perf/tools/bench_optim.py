@@ -1,10 +1,10 @@
 """Optimizer benchmark: the per-step time of OptimizerManager on CPU for the smoke model (or a
 stand-in), and the ANVIL cascade's FLOPs per step at the record's per-rank chunk shapes.
 
-    python perf/bench_optim.py                      # the smoke GPT's parameters, ANVIL and NorMuon
-    python perf/bench_optim.py --model small        # the small stand-in (banks that need padding)
-    python perf/bench_optim.py --model record       # record shapes (slow on CPU: minutes)
-    python perf/bench_optim.py --steps 20 --world-size 8
+    python perf/tools/bench_optim.py                      # the smoke GPT's parameters, ANVIL and NorMuon
+    python perf/tools/bench_optim.py --model small        # the small stand-in (banks that need padding)
+    python perf/tools/bench_optim.py --model record       # record shapes (slow on CPU: minutes)
+    python perf/tools/bench_optim.py --steps 20 --world-size 8
 
 Prints numbers only; nothing here is asserted.
 """
@@ -15,13 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from cli import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from config import SCHEDULE_PRESETS, OptimConfig  # noqa: E402
-from config_check import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from optim.anvil import ANVIL_MAPS, cascade_flops  # noqa: E402
 from optim.manager import OptimizerManager  # noqa: E402
 from optim.normuon import POLAR_EXPRESS_MAPS  # noqa: E402
@@ -69,11 +69,11 @@ def time_steps(model_kind: str, bank_optimizer: str, steps: int) -> tuple[float,
 
 
 def main(argv=None) -> int:
-    parser = ArgumentParser(prog="python -m perf.bench_optim", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m perf.tools.bench_optim", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("smoke", "small", "record"), default="smoke")
     parser.add_argument("--steps", type=positive_int, default=30)
     parser.add_argument("--world-size", type=positive_int, default=8, help="ranks for the FLOP count")
-    with exit_on_config_error("python -m perf.bench_optim"):
+    with exit_on_config_error("python -m perf.tools.bench_optim"):
         args = parser.parse_args(argv)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, one process")

@@ -1,6 +1,6 @@
 """The CUDA-graph capture contract, checked on any device (a CPU is enough):
 
-    python -m perf.cuda_graphs.contract --config smoke --steps 6
+    python -m perf.tools.capture_contract --config smoke --steps 6
 
 A CUDA graph records the kernels of one call of a region and replays them: the same kernels, the
 same Python scalars baked into their arguments, the same device addresses. A region is capturable
@@ -8,7 +8,7 @@ only if every call of it with the same key would have recorded the same graph. `
 watches each call of each region (a TorchDispatchMode sees every aten op inside it, eager or
 compiled by aot_eager) and reports, per region and key:
 
-* host sync: an op a GPU would have to wait on (`perf/sync_check.py`'s list: `.item()`, `bool()` of
+* host sync: an op a GPU would have to wait on (`perf/checks/sync_check.py`'s list: `.item()`, `bool()` of
   a tensor, data-dependent output shapes); a capture fails on it;
 * storage moved: from the second call of a key on (the first call is the untimed warm-up that
   upstream runs before capturing), a tensor that existed before the region (parameter, gradient,
@@ -26,8 +26,8 @@ compiled by aot_eager) and reports, per region and key:
 * pageable copy: a copy into device memory from pageable host memory inside the region.
 
 Tensors are named by parameter, gradient, buffer, optimizer-state or static-input name
-(`run_state`); an unnamed tensor from outside a region that changes address is a per-step input
-that did not go through a static buffer.
+(`run_state`, perf/cuda_graphs/state.py); an unnamed tensor from outside a region that changes
+address is a per-step input that did not go through a static buffer.
 
 The regions of a training step (`training.Run.train_step` runs each through `Run.run_region(name, key, fn)`;
 perf/cuda_graphs/capture.py captures and replays them):
@@ -61,13 +61,13 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from perf.sync_check import sync_reason
+from perf.cuda_graphs.state import LIFT_OPS, OpRecordingMode, run_state, storage_ptr
+from perf.checks.sync_check import sync_reason
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-_SKIP_FILES = {str(Path(__file__).resolve()), str(REPO_ROOT / "perf" / "sync_check.py")}
+_SKIP_FILES = {str(Path(__file__).resolve()), str(REPO_ROOT / "perf" / "checks" / "sync_check.py")}
 _project_file: dict[str, bool] = {}
 
 
@@ -109,14 +109,6 @@ def format_where(where: tuple[tuple[str, int, str], ...]) -> str:
     return head
 
 
-def storage_ptr(t: Tensor) -> int:
-    """The address of t's storage (0 for tensors without data: empty, meta, wrapper subclasses)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
-
-
 # ----------------------------------------------------------------------------------------------------
 # what one call of a region did
 # ----------------------------------------------------------------------------------------------------
@@ -156,11 +148,6 @@ class Violation:
 
 
 _COPY_OPS = {"aten::copy_", "aten::_to_copy", "aten::copy"}
-# torch.tensor(...) and Python numbers used as tensors inside a region: their argument is a host
-# constant made right there (not dispatched), not a tensor from outside the region
-_LIFT_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift"}
-
-
 def _pageable_copy(func, args, kwargs) -> str | None:
     """'src device -> dst device' when the op copies pageable host memory into device memory."""
     name = func._schema.name
@@ -178,16 +165,6 @@ def _pageable_copy(func, args, kwargs) -> str | None:
     except RuntimeError:      # no accelerator to ask: nothing is pinned
         pinned = False
     return None if pinned else f"{src.device} (pageable) -> {torch.device(dst_device)}"
-
-
-class OpRecordingMode(TorchDispatchMode):
-    """A dispatch mode that sees a region's aten ops as they run: eager ops and the ops of compiled
-    (aot_eager) graphs, but not dynamo's tracing of them, which runs no kernel a graph would hold.
-    The contract checker and the CPU capture twin (capture.py) both record through one."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # off while dynamo traces, on while compiled graphs run
 
 
 class _RegionMode(OpRecordingMode):
@@ -212,7 +189,7 @@ class _RegionMode(OpRecordingMode):
                                 dedupe=("pageable", op, where))
         flat, _ = tree_flatten((args, kwargs))
         signature, scalars, external = [], [], []
-        lift = op in _LIFT_OPS
+        lift = op in LIFT_OPS
         for i, a in enumerate(flat):
             if isinstance(a, Tensor):
                 signature.append((tuple(a.shape), a.dtype))
@@ -352,64 +329,6 @@ class ContractChecker:
 
 
 # ----------------------------------------------------------------------------------------------------
-# naming the state of a run
-# ----------------------------------------------------------------------------------------------------
-
-
-def _walk(prefix: str, obj, out: list, skip=("param", "view", "rule", "shard", "manager", "exchange")) -> None:
-    if isinstance(obj, Tensor):
-        out.append((prefix, obj))
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            if f.name not in skip:
-                _walk(f"{prefix}.{f.name}", getattr(obj, f.name), out)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _walk(f"{prefix}[{k}]", v, out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _walk(f"{prefix}[{i}]", v, out)
-
-
-def module_state(model) -> list[tuple[str, Tensor]]:
-    """A module's parameters, their gradients and its buffers, by name."""
-    out: list[tuple[str, Tensor]] = []
-    for name, p in model.named_parameters():
-        out.append((name, p))
-        if p.grad is not None:
-            out.append((f"{name}.grad", p.grad))
-    out.extend(model.named_buffers())
-    return out
-
-
-def optimizer_state(manager) -> list[tuple[str, Tensor]]:
-    """An optim.manager.OptimizerManager's per-parameter state, cycle gradients and device scalars:
-    `optimizer[<param>].state.exp_avg`, `optimizer[<param>].scalars[step_size]`, ..."""
-    out: list[tuple[str, Tensor]] = []
-    for name, entry in manager.entries.items():
-        _walk(f"optimizer[{name}]", entry, out)
-    return out
-
-
-def run_state(run) -> list[tuple[str, Tensor]]:
-    """[(name, tensor)] of everything of a training.Run that outlives a region: parameters and
-    their gradients, buffers, optimizer states and device scalars, the n-gram table and its
-    optimizer, the schedule's weight buffers, the static inputs (first name wins for shared
-    storage: parameters first)."""
-    out = module_state(run.model) + optimizer_state(run.manager)
-    if run.table is not None:  # (features.ngram off: no table, no row optimizer)
-        _walk("ngram_optimizer.state", run.ngram_opt.state, out)
-        out.append(("ngram_table.rows", run.table.rows))
-    _walk("step_weights", vars(run.step_weights), out)
-    for (name, shape, dtype), t in run.static_inputs.items():
-        label = f"static_input[{name} {list(shape)} {str(dtype).removeprefix('torch.')}]"
-        out.append((label, t))
-        if t.grad is not None:
-            out.append((f"{label}.grad", t.grad))
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------
 # the CLI: N training steps of a preset on dummy batches, every region checked
 # ----------------------------------------------------------------------------------------------------
 
@@ -418,9 +337,10 @@ def build_run(config: str = "smoke", seed: int = 0):
     """A one-process training.Run of a preset, with host checks off (as on a GPU)."""
     import training
     from config import RUN_PRESETS
+    from perf.checks.preflight import check_node
     cfg = dataclasses.replace(RUN_PRESETS[config], seed=seed)
     setup = training.Setup(cfg)
-    setup.check(cfg)
+    check_node(cfg, setup.backend)
     return training.Run(cfg, setup)
 
 
@@ -472,12 +392,12 @@ def summary(checker: ContractChecker, steps: int, config: str) -> tuple[str, int
 
 
 def main(argv=None) -> int:
+    from cli import ArgumentParser, check_preset, exit_on_config_error, non_negative_int
     from config import RUN_PRESETS, ConfigError
-    from config_check import (ArgumentParser, check_preset, data_problems, exit_on_config_error, non_negative_int,
-                              shard_globs)
+    from config_check import data_problems, shard_globs
     from optim.schedule import TrainingSchedule
 
-    prog = "python -m perf.cuda_graphs.contract"
+    prog = "python -m perf.tools.capture_contract"
     with exit_on_config_error(prog):
         ap = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
         ap.add_argument("--config", default="smoke", help="run preset (default: smoke)")

@@ -26,7 +26,7 @@ was waited. What is checked (`check_across_ranks`, every rank raises the same er
 How (torch 2.13): c10d collectives are dispatcher ops (`torch.ops.c10d.allreduce_`,
 `_reduce_scatter_base_`, `alltoall_base_`, ...), so a TorchDispatchMode sees each launch with its
 tensors and process group; it steps aside while dynamo compiles (`ignore_compile_internals`, as
-perf/sync_check.py), and compiling under it leaves no extra graph (checked: the smoke run compiled
+perf/checks/sync_check.py), and compiling under it leaves no extra graph (checked: the smoke run compiled
 with aot_eager under the warmup's recorder logs "compiled graphs: warmup 3, timed 0"). `Work.wait` is a pybind method, not a dispatcher op:
 the recorder wraps it on the class (and on the subclasses that define their own, e.g. the fake
 process group's) while it records, and knows the Work a launch returned because pybind hands

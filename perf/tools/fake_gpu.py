@@ -3,7 +3,7 @@ enough for dynamo, AOT autograd and inductor to build what a GPU run compiles, a
 compile every kernel to a cubin for that GPU's architecture (sm_90, sm_89, sm_80) with its own ptxas.
 Nothing ever runs on it: no kernel is loaded, launched or benchmarked.
 
-Used by `python -m perf.cross_compile`, in a process of its own. The pieces:
+Used by `python -m perf.tools.cross_compile`, in a process of its own. The pieces:
 - a preloaded C++ library (`PRELOAD_SOURCE`, built once with the C++ compiler against torch's headers)
   that registers c10's no-op `FakeGuardImpl` as the CUDA device guard and CUDA hooks that report one
   device. The guard lets in-place ops and device switches run on fake CUDA tensors; the hooks make
@@ -101,7 +101,7 @@ DEVICE_EVALUATING_OPTIONS = {
 }
 
 PRELOAD_SOURCE = r"""
-// Built by perf/fake_gpu.py and preloaded into the cross-compile's process: a CUDA device guard that
+// Built by perf/tools/fake_gpu.py and preloaded into the cross-compile's process: a CUDA device guard that
 // does nothing (c10's FakeGuardImpl) and CUDA hooks reporting one device, in a CPU-only torch.
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/FakeGuardImpl.h>
@@ -347,7 +347,7 @@ def install(sm: int = 90, compile_workers: int = 1) -> None:
                          f"{', '.join(map(str, sorted(DEVICES)))})")
     device = DEVICES[sm]
     if not preloaded():
-        raise RuntimeError("fake GPU: the preload library is not loaded; run through perf.cross_compile "
+        raise RuntimeError("fake GPU: the preload library is not loaded; run through perf.tools.cross_compile "
                            "(it re-executes itself with LD_PRELOAD)")
     cuda = torch.cuda
     cuda.is_available = lambda: True

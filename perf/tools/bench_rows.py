@@ -2,8 +2,8 @@
 optim/row_exchange.py's planned one, on real text at the record's shapes, from the host plans alone
 (no process group, no GPU).
 
-    python perf/bench_rows.py                                   # Tiny Shakespeare, 8 ranks x 49,152 tokens
-    python perf/bench_rows.py --text my.txt --world-size 8 --tokens-per-rank 49152 --cycle-steps 4
+    python perf/tools/bench_rows.py                                   # Tiny Shakespeare, 8 ranks x 49,152 tokens
+    python perf/tools/bench_rows.py --text my.txt --world-size 8 --tokens-per-rank 49152 --cycle-steps 4
 
 The text is tokenized with tiktoken's GPT-2 encoding (offline: TIKTOKEN_CACHE_DIR defaults to
 ../shared/tiktoken_cache beside the repository) and cut into the stage-2 batches of a record run
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # the repo root, when run as a script
 SHARED = REPO_ROOT.parent / "shared"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,8 +40,8 @@ if (SHARED / "tiktoken_cache").is_dir():
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from cli import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from config import ConfigError, ModelConfig  # noqa: E402
-from config_check import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from data.ngram import ngram_row_ids  # noqa: E402
 from optim.row_exchange import RowPlan, plan_push, split_requests  # noqa: E402
 
@@ -81,12 +81,12 @@ def others(counts, rank: int) -> int:
 
 
 def main(argv=None) -> None:
-    parser = ArgumentParser(prog="python -m perf.bench_rows", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m perf.tools.bench_rows", description=__doc__.split("\n\n")[0])
     parser.add_argument("--text", type=Path, default=SHARED / "data" / "tinyshakespeare.txt")
     parser.add_argument("--world-size", type=positive_int, default=8)            # record #360: 8 ranks
     parser.add_argument("--tokens-per-rank", type=positive_int, default=49152)   # record #360: stage-2 batch per rank
     parser.add_argument("--cycle-steps", type=positive_int, default=4)           # record #360: events every 4th step from 336
-    with exit_on_config_error("python -m perf.bench_rows"):
+    with exit_on_config_error("python -m perf.tools.bench_rows"):
         args = parser.parse_args(argv)
         if not args.text.is_file():
             raise ConfigError(f"--text {args.text}: no such file; pass an English text file (default: "

@@ -1,8 +1,8 @@
 """Preflight: every check a record run needs on a fresh GPU node, each with its one-line fix.
 
-    python -m perf.preflight                        # the record: 8×H100 SXM, the pinned stack, the data
-    python -m perf.preflight --config dev --data-path DIR
-    python -m perf.preflight --dry-run              # list the checks (name, what, fix); touches no GPU
+    python -m perf.checks.preflight                        # the record: 8×H100 SXM, the pinned stack, the data
+    python -m perf.checks.preflight --config dev --data-path DIR
+    python -m perf.checks.preflight --dry-run              # list the checks (name, what, fix); touches no GPU
 
 A rented node fails a record in ways that cost an hour each: another torch has no FA3 build
 variant, the Hub answers 401, `libcudart.so.13` is missing, a driver below 580 runs every step
@@ -13,8 +13,8 @@ fix under every FAIL/WARN; the exit status is 1 on any FAIL.
 Every check is a small pure decision function over a probe's raw answer (`check_torch(version,
 cuda)`, `check_gpus(nvidia_smi_csv, ...)`, ...), so the tests feed fake answers; the probes are thin.
 The raw answers go to `<records_dir>/logs/environment.txt` (the node as found), written atomically.
-`cheap_checks(cfg)` + `raise_on_fail(rows)` are what the record preset runs before the clock: no
-kernel launch, no process group, no download. Presets other than the record turn the record-only
+`check_node(cfg, backend)` (`cheap_checks(cfg)` + `raise_on_fail(rows)`) is what the record preset
+runs before the clock: no kernel launch, no process group, no download. Presets other than the record turn the record-only
 FAILs (exact torch, 8 GPUs, SM90, driver, CUDA 13 runtime, FA3, host RAM) into WARNs, and presets
 that may run on the CPU (smoke) also the Triton launch and NCCL.
 
@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 RECORD_TORCH = "2.10.0+cu128"  # record #360: the torch the FA3 build variant (torch210-cxx11-cu128) is for
 RECORD_GPU_COUNT = 8  # record #360: one node of 8×H100 SXM
@@ -51,9 +51,9 @@ MIN_FREE_DISK_BYTES = 10 * 10**9  # ours: Inductor + Triton caches of the record
 MIN_HOST_RAM_BYTES = 32 * 2**30  # ours: 8 ranks with compile workers and pinned batch buffers
 WARN_HOST_RAM_BYTES = 64 * 2**30  # ours: below this, compile workers of 8 ranks can swap
 # ours: a host-memory n-gram table (perf/host_table.py) needs the whole table in the node's RAM plus
-# its pinned staging (perf.memory: 5.8 GiB for the record's recipe on 1 process) and the run's own
+# its pinned staging (perf.tools.memory: 5.8 GiB for the record's recipe on 1 process) and the run's own
 HOST_TABLE_MARGIN_BYTES = 16 * 2**30
-HOST_TABLE_PINNED_BYTES = 6 * 2**30  # ours: the staging perf.memory counts, pinned by the CUDA host allocator
+HOST_TABLE_PINNED_BYTES = 6 * 2**30  # ours: the staging perf.tools.memory counts, pinned by the CUDA host allocator
 NCCL_TIMEOUT_S = 180  # ours: spawn 8 processes, init NCCL, one all_reduce
 # tiktoken's GPT-2 files (tiktoken_ext/openai_public.py): the canonical mask (record #92) tokenizes with them
 TIKTOKEN_GPT2_URLS = ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
@@ -611,11 +611,24 @@ def cheap_checks(cfg) -> list[Row]:
     return run_checks(cfg, full=False)
 
 
+def check_node(cfg, backend) -> None:
+    """The record's node checks, before a run builds anything (train_gpt.py; perf/cuda_graphs/
+    contract.py's build_run): a record run never falls back to a slower path
+    (`assert_record_backends`), and any FAIL of the cheap checks (the node's stack, GPUs, driver,
+    CUDA 13 runtime, data, BPE files, disk, RAM, compiler) stops it. Nothing for a preset that does
+    not require the fast path; the configuration itself was checked up front (config_check.py)."""
+    if cfg.requires_fast_path:
+        from perf.attention_backends import assert_record_backends
+
+        assert_record_backends(backend)
+        raise_on_fail(cheap_checks(cfg))
+
+
 def raise_on_fail(rows: list[Row]) -> None:
     """Raise one RuntimeError listing every FAIL with its fix."""
     failed = [r for r in rows if r.status == FAIL]
     if failed:
-        raise RuntimeError("preflight failed (python -m perf.preflight for the full list):\n" +
+        raise RuntimeError("preflight failed (python -m perf.checks.preflight for the full list):\n" +
                            "\n".join(f"  {r.name}: {r.detail}\n    fix: {r.fix}" for r in failed))
 
 
@@ -642,11 +655,12 @@ def write_environment(path: Path, raw: dict, rows: list[Row]) -> Path:
 
 
 def main(argv=None) -> int:
+    from cli import ArgumentParser, exit_on_config_error
     from config import RUN_PRESETS, ConfigError
-    from config_check import ArgumentParser, exit_on_config_error, records_folder_problems
+    from config_check import records_folder_problems
 
-    with exit_on_config_error("python -m perf.preflight"):
-        ap = ArgumentParser(prog="python -m perf.preflight", description=__doc__.split("\n\n")[0])
+    with exit_on_config_error("python -m perf.checks.preflight"):
+        ap = ArgumentParser(prog="python -m perf.checks.preflight", description=__doc__.split("\n\n")[0])
         ap.add_argument("--config", default="record", choices=sorted(RUN_PRESETS), help="preset (default: record)")
         ap.add_argument("--data-path", default=os.environ.get("DATA_PATH"), help="folder holding the shards (env DATA_PATH)")
         ap.add_argument("--records-dir", default=None,

@@ -1,16 +1,18 @@
 """What the CUDA-graph capture check (perf/cuda_graphs/capture.py) costs one rank, computed on "meta"
-at a preset's shapes; `python -m perf.memory --config record` prints it (its "capture check" section).
+at a preset's shapes; `python -m perf.tools.memory --config record` prints it (its "capture check" section).
 
-The warmup's plan is the run's own: `training.warmup_steps` with `Run.region_keys`, keys met once
+The rank is the run itself, built on "meta" (perf/checks/meta_rank.py's `build_rank_on_meta`), and the
+warmup's plan is the run's own: `training.warmup_steps` with its `Run.region_keys`, keys met once
 run eagerly (no check). For each key it captures:
 
 * written: the state the region writes, found structurally. The region runs once on "meta", as
-  perf/memory.py runs a step (portable path, attention as a flash kernel keeps it), under
+  perf/tools/memory.py runs a step (portable path, attention as a flash kernel keeps it), under
   `WrittenStorages`, a dispatch mode that notes every storage an op's schema marks written
   (in-place and out= ops, through any view or `.data`); the optimizer's collectives write their
   destinations; a gradient the backward creates counts as written. Storages are named by
-  contract.run_state. It is what the check's warm-up finds on a real call, or more (a write that
-  leaves the bits as they were, such as zeroing a zero gradient, is invisible to a fingerprint):
+  `run_state` (perf/cuda_graphs/state.py), the meta steps' inputs in the run's static buffers. It
+  is what the check's warm-up finds on a real call, or more (a write that leaves the bits as they
+  were, such as zeroing a zero gradient, is invisible to a fingerprint):
   tests/perf/test_perf_cuda_graphs_capture.py compares it with the smoke twin's.
 * fingerprinted: the checked state present at the key's first call (capture.py
   `written_outside_regions` left out), read twice (before and after), in chunks whose int64
@@ -27,7 +29,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -35,19 +36,14 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import training
+from model import attention as model_attention
+from perf.backend import use_backend
 from perf.cuda_graphs.capture import (FINGERPRINT_CHUNK, STAGING_ALIGN, STAGING_BLOCK, _unique_storages,
                                       written_outside_regions)
-
-GIB = 2 ** 30
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _storage_key(t: Tensor) -> int:
-    """Identity of t's storage, on "meta" too (perf.memory.storage_key)."""
-    return t.untyped_storage()._cdata
+from perf.cuda_graphs.state import run_state
+from perf.checks.meta_rank import (PORTABLE_BACKEND, RankOnMeta, flash_attention_standin, geometries, gib, meta_step, nbytes,
+                            standin_collectives, storage_key)
 
 
 class WrittenStorages(TorchDispatchMode):
@@ -59,7 +55,7 @@ class WrittenStorages(TorchDispatchMode):
         self.keys: set[int] = set()
 
     def note(self, t: Tensor) -> None:
-        self.keys.add(_storage_key(t))
+        self.keys.add(storage_key(t))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -73,35 +69,10 @@ class WrittenStorages(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
 def written_by_collectives(recorder: WrittenStorages):
-    """The optimizer's collectives (optim.manager's reduce-scatter and all-gather, dist.all_reduce)
-    as no-ops that write their destinations, on an NCCL-like backend (perf/cost.py counts them the
-    same way)."""
-    import torch.distributed as dist
-
-    import optim.manager as manager_module
-
-    class Done:
-        def wait(self):
-            pass
-
-    def reduce_scatter(out, full, op=None, group=None, async_op=False):
-        recorder.note(out)
-        return Done()
-
-    def all_gather(out, local, group=None, async_op=False):
-        recorder.note(out)
-        return Done()
-
-    def all_reduce(t, op=None, group=None, async_op=False):
-        recorder.note(t)
-        return Done()
-
-    with mock.patch.object(manager_module, "reduce_scatter_single", reduce_scatter), \
-            mock.patch.object(manager_module, "all_gather_single", all_gather), \
-            mock.patch.object(dist, "all_reduce", all_reduce), mock.patch.object(dist, "get_backend", lambda *a: "nccl"):
-        yield
+    """The optimizer's collectives as no-ops that write their destinations (perf/checks/cost.py counts the
+    same stand-ins' bytes)."""
+    return standin_collectives(lambda kind, written, whole: recorder.note(written))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -112,11 +83,11 @@ def written_by_collectives(recorder: WrittenStorages):
 def _unique_views(named: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
     """capture._unique_storages on "meta" (where every data pointer is 0): storages told apart by
     their StorageImpl."""
-    return _unique_storages(named, storage_key=_storage_key)
+    return _unique_storages(named, storage_key=storage_key)
 
 
 def _static_inputs(step) -> dict[tuple, Tensor]:
-    """The static input buffers `Run.train_step` fills for a perf.memory.MetaStep, keyed as
+    """The static input buffers `Run.train_step` fills for a perf.checks.meta_rank.MetaStep, keyed as
     `Run.static_buffer` keys them (name, shape, dtype); the n-gram sink leaf among them."""
     b = step.batch
     fields = {"inputs": b.inputs, "targets": b.targets, "cu_seqlens": b.cu_seqlens}
@@ -128,12 +99,15 @@ def _static_inputs(step) -> dict[tuple, Tensor]:
     return {(name, tuple(t.shape), t.dtype): t for name, t in fields.items()}
 
 
-def _named_state(rank, static_inputs: dict) -> list[tuple[str, Tensor]]:
-    """contract.run_state of a perf.memory.RankOnMeta with these static inputs."""
-    from perf.cuda_graphs.contract import run_state
-
-    return run_state(SimpleNamespace(model=rank.model, manager=rank.manager, ngram_opt=rank.ngram_opt,
-                                     table=rank.table, step_weights=rank.step_weights, static_inputs=static_inputs))
+@contextlib.contextmanager
+def holding_static_inputs(run, static_inputs: dict):
+    """The run's static input buffers (`Run.static_inputs`, what `Run.static_buffer` fills) set to
+    these while the count runs, so that `run_state` names them as in the run."""
+    saved, run.static_inputs = run.static_inputs, static_inputs
+    try:
+        yield
+    finally:
+        run.static_inputs = saved
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -212,28 +186,17 @@ class CaptureCheckCost:
                 "host to device": sum(3 * k.written_bytes + k.output_bytes for k in self.keys)}
 
 
-def capture_check_cost(rank, horizon: int | None = None) -> CaptureCheckCost:
-    """The capture check of every key the warmup captures, on one rank (a perf.memory.RankOnMeta),
-    each region run once on "meta" to find what it writes (the module docstring). horizon: a run
-    stopping before this step (`Run.warmup`'s). Leaves gradients on the rank's parameters; its
-    manager's split flag and keep_grads are put back."""
-    import training
-    from model import attention as model_attention
-    from perf.backend import use_backend
-    from perf.memory import PORTABLE_BACKEND, flash_attention_standin, geometries, meta_step
-
-    schedule, manager, model = rank.schedule, rank.manager, rank.model
-    run = SimpleNamespace(schedule=schedule, manager=manager, model=model,
-                          fp8_refreshes_before=training.Run.fp8_refreshes_before)
-
-    def region_keys(step: int) -> list:
-        return training.Run.region_keys(run, step)   # the run's own keys, asked of the meta rank
-
+def capture_check_cost(rank: RankOnMeta, horizon: int | None = None) -> CaptureCheckCost:
+    """The capture check of every key the warmup captures, on one rank (perf/checks/meta_rank.py's
+    RankOnMeta: the run built on "meta"), each region run once on "meta" to find what it writes (the
+    module docstring). horizon: a run stopping before this step (`Run.warmup`'s). Leaves gradients
+    on the rank's parameters; its manager's split flag and the run's static inputs are put back."""
+    run, schedule, manager, model = rank.run, rank.schedule, rank.manager, rank.model
     horizon = min(horizon or schedule.total_steps, schedule.total_steps)
-    met = collections.Counter(k for st in range(horizon) for k in region_keys(st))
+    met = collections.Counter(k for st in range(horizon) for k in run.region_keys(st))
     first: dict = {}   # (region, key) -> the warmup step of its first call; in call order
-    for st in training.warmup_steps(schedule, region_keys, horizon):
-        for slot in region_keys(st):   # forward_backward, optimizer, then the update's fp8 refresh
+    for st in training.warmup_steps(schedule, run.region_keys, horizon):
+        for slot in run.region_keys(st):   # forward_backward, optimizer, then the update's fp8 refresh
             first.setdefault(slot, st)
     order = {slot: i for i, slot in enumerate(first)}
 
@@ -252,43 +215,44 @@ def capture_check_cost(rank, horizon: int | None = None) -> CaptureCheckCost:
         if step.rows is not None:
             step.rows = static[("ngram_rows", tuple(step.rows.shape), step.rows.dtype)]
 
-    # what each key writes: its region once on "meta", in warmup order
+    # what each key writes: its region once on "meta", in warmup order (the run's manager keeps its
+    # gradients, zeroed in place, as a captured update needs)
     written: dict = {}
     outputs: dict = {}
-    keep_grads, split = manager.keep_grads, manager.split
-    manager.keep_grads = True   # as the run's manager: gradients zeroed in place, never released
-    try:
-        for slot in first:
-            region, key = slot
-            before = {n for n, _ in _named_state(rank, static)}
-            recorder = WrittenStorages()
-            if region == "optimizer":   # the host half, outside the region as in the run (and off "meta": host tensors)
-                manager.split = not key.tied
-                manager.load_scalars(first[slot])
-            with torch.device("meta"):
-                if region == "forward_backward":
-                    step = meta_steps[key]
-                    standin = mock.patch.object(model_attention, "varlen_attention", flash_attention_standin)
-                    with use_backend(**PORTABLE_BACKEND), standin, recorder:
-                        loss = step.forward(model)
-                        (loss / rank.accum).backward()
-                    out = loss.detach()
-                elif region == "optimizer":
-                    with written_by_collectives(recorder), recorder:
-                        out = manager.step(first[slot], untie=False)
-                else:   # fp8_refresh, keyed by its exact mode
-                    with use_backend(**PORTABLE_BACKEND), recorder:
-                        out = model.refresh_fp8(key)
-            named = _unique_views(_named_state(rank, static))
-            written[slot] = {n for n, t in named if n not in before or _storage_key(t) in recorder.keys}
-            outputs[slot] = tuple(_nbytes(t) for t in tree_leaves(out) if isinstance(t, Tensor))
-    finally:
-        manager.keep_grads, manager.split = keep_grads, split
+    split = manager.split
+    with holding_static_inputs(run, static):
+        try:
+            for slot in first:
+                region, key = slot
+                before = {n for n, _ in run_state(run)}
+                recorder = WrittenStorages()
+                if region == "optimizer":   # the host half, outside the region as in the run (and off "meta": host tensors)
+                    manager.split = not key.tied
+                    manager.load_scalars(first[slot])
+                with torch.device("meta"):
+                    if region == "forward_backward":
+                        step = meta_steps[key]
+                        standin = mock.patch.object(model_attention, "varlen_attention", flash_attention_standin)
+                        with use_backend(**PORTABLE_BACKEND), standin, recorder:
+                            loss = step.forward(model)
+                            (loss / rank.accum).backward()
+                        out = loss.detach()
+                    elif region == "optimizer":
+                        with written_by_collectives(recorder), recorder:
+                            out = manager.step(first[slot], untie=False)
+                    else:   # fp8_refresh, keyed by its exact mode
+                        with use_backend(**PORTABLE_BACKEND), recorder:
+                            out = model.refresh_fp8(key)
+                named = _unique_views(run_state(run))
+                written[slot] = {n for n, t in named if n not in before or storage_key(t) in recorder.keys}
+                outputs[slot] = tuple(nbytes(t) for t in tree_leaves(out) if isinstance(t, Tensor))
+        finally:
+            manager.split = split
+        final = _unique_views(run_state(run))
 
     # the state present at each key's first call: a parameter's .grad from the end of the first
     # forward_backward on; a static buffer from the first call of a geometry that fills it (its
     # upload comes before), its .grad from the end of that call
-    final = _unique_views(_named_state(rank, static))
     buffer_of = {id(t): k for k, t in static.items()} | {id(t.grad): k for k, t in static.items() if t.grad is not None}
     first_backward = min((i for (r, _), i in order.items() if r == "forward_backward"), default=None)
 
@@ -314,10 +278,10 @@ def capture_check_cost(rank, horizon: int | None = None) -> CaptureCheckCost:
         wrote = [(n, t) for n, t in final if n in written[slot] and not written_outside_regions(n)]  # at the capture
         keys.append(KeyCheckCost(slot[0], slot[1], first[slot], tuple(n for n, _ in wrote),
                                  tuple(n for n, _ in final if n in written[slot] and written_outside_regions(n)),
-                                 tuple(_nbytes(t) for _, t in wrote), outputs[slot],
-                                 sum(_nbytes(t) for _, t in checked), sum(_nbytes(t) for _, t in state),
+                                 tuple(nbytes(t) for _, t in wrote), outputs[slot],
+                                 sum(nbytes(t) for _, t in checked), sum(nbytes(t) for _, t in state),
                                  max((t.numel() for _, t in checked), default=0)))
-    excluded = [(n, _nbytes(t)) for n, t in final if written_outside_regions(n)]
+    excluded = [(n, nbytes(t)) for n, t in final if written_outside_regions(n)]
     return CaptureCheckCost(rank.world_size, keys, [s for s in first if met[s] < 2], excluded)
 
 
@@ -334,10 +298,6 @@ def _key_label(region: str, key) -> str:
     return str(key)
 
 
-def _gib(b: int) -> str:
-    return f"{b / GIB:.2f}"
-
-
 def format_capture_check(cost: CaptureCheckCost) -> str:
     """The per-key table, the warmup's totals and the bound (GiB per rank)."""
     blocks = cost.pool_bytes // cost.block
@@ -347,14 +307,14 @@ def format_capture_check(cost: CaptureCheckCost) -> str:
     lines = [f"capture check (SPEEDRUN_CUDA_GRAPHS, perf/cuda_graphs/capture.py), GiB per rank, on meta: the "
              f"{len(cost.keys)} keys the warmup captures ({len(cost.eager_keys)} met once run eagerly, unchecked).",
              "Left out as written only outside the regions (capture.written_outside_regions; a region writing it "
-             "stops the run): " + ", ".join(f"{n} {_gib(b)}" for n, b in excluded.most_common()) +
-             f" = {_gib(cost.excluded_bytes)} GiB.",
+             "stops the run): " + ", ".join(f"{n} {gib(b)}" for n, b in excluded.most_common()) +
+             f" = {gib(cost.excluded_bytes)} GiB.",
              f"  {'region':<16} {'key':<40} {'step':>5} {'written':>7} {'W':>6} {'out B':>6} "
              f"{'fingerprint':>11} {'was':>6} {'int64':>6} {'to host':>8}"]
     for k in cost.keys:
         lines.append(f"  {k.region:<16} {_key_label(k.region, k.key)[:40]:<40} {k.first_step:>5} {len(k.written):>7} "
-                     f"{_gib(k.written_bytes):>6} {k.output_bytes:>6} {_gib(k.fingerprinted):>11} "
-                     f"{_gib(k.fingerprinted_all):>6} {_gib(k.fingerprint_temporaries):>6} {_gib(k.host_bytes):>8}")
+                     f"{gib(k.written_bytes):>6} {k.output_bytes:>6} {gib(k.fingerprinted):>11} "
+                     f"{gib(k.fingerprinted_all):>6} {gib(k.fingerprint_temporaries):>6} {gib(k.host_bytes):>8}")
     for k in cost.keys:
         if k.writes_excluded:
             lines.append(f"  WARNING: {k.region} {_key_label(k.region, k.key)} writes {', '.join(k.writes_excluded)}, "
@@ -364,15 +324,15 @@ def format_capture_check(cost: CaptureCheckCost) -> str:
               "W their bytes, out B its outputs' bytes; fingerprint: the checked state present at its first call, read "
               "twice (before and after it); was: all state then, what the check fingerprinted before the exclusion; "
               "int64: the fingerprints' peak device temporaries; to host: its capture's copies (2 W + outputs)",
-              f"  over the warmup: fingerprints read {_gib(totals['fingerprint reads'])} GiB (all state: "
-              f"{_gib(totals['fingerprint reads, all state'])}), device to host {_gib(totals['device to host'])} GiB, "
-              f"host to device {_gib(totals['host to device'])} GiB (the restores and the graphed copies read back, "
+              f"  over the warmup: fingerprints read {gib(totals['fingerprint reads'])} GiB (all state: "
+              f"{gib(totals['fingerprint reads, all state'])}), device to host {gib(totals['device to host'])} GiB, "
+              f"host to device {gib(totals['host to device'])} GiB (the restores and the graphed copies read back, "
               f"one {cost.block // 2 ** 20} MiB block at a time)"]
     if cost.keys:
         w = cost.largest
         lines.append(f"  bound: host bytes per rank ≤ 2 × the largest key's written state + its outputs = 2 × "
-                     f"{_gib(w.written_bytes)} GiB ({w.region} {_key_label(w.region, w.key)}) → one staging pool of "
-                     f"{_gib(cost.pool_bytes)} GiB ({blocks} × {cost.block // 2 ** 20} MiB blocks, pinned on CUDA), "
+                     f"{gib(w.written_bytes)} GiB ({w.region} {_key_label(w.region, w.key)}) → one staging pool of "
+                     f"{gib(cost.pool_bytes)} GiB ({blocks} × {cost.block // 2 ** 20} MiB blocks, pinned on CUDA), "
                      f"reused by every capture and freed at the end of the warmup; {cost.world_size} ranks: "
-                     f"{_gib(cost.world_size * cost.pool_bytes)} GiB of host memory")
+                     f"{gib(cost.world_size * cost.pool_bytes)} GiB of host memory")
     return "\n".join(lines)
