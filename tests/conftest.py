@@ -3,8 +3,9 @@
 Every end-to-end test trains on the embedded corpus (data/synthetic.py, the `synthetic_shards`
 fixture), so a fresh clone runs them with nothing from outside the repository. Tests read
 `../shared` (beside the repository root) where present, but never copy it into the project: its
-English text for the real-text checks (`tiny_shakespeare_path`) and tiktoken's GPT-2 BPE files for
-the tokenizer's (`gpt2_bpe`); each skips with one line where its files are missing.
+English text for the real-text checks (`real_text_path`; without it, the repository's own Markdown
+and Python sources stand in, so no test skips for want of it) and tiktoken's GPT-2 BPE files for the
+tokenizer's (`gpt2_bpe`, which skips with one line where tiktoken has neither a cache nor network).
 """
 import os
 from pathlib import Path
@@ -56,12 +57,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+NOT_SOURCES = ("__pycache__", "build", "venv", "site-packages", "node_modules")
+REPOSITORY_TEXT_MIN_CHARS = 1_000_000  # about 300k GPT-2 tokens, as much as Tiny Shakespeare gives
+
+
 @pytest.fixture(scope="session")
-def tiny_shakespeare_path() -> Path:
-    """Real English text, for the checks that need real text (the tokenizer, the canonical mask)."""
-    if not TINY_SHAKESPEARE.is_file():
-        pytest.skip(f"shared text missing: {TINY_SHAKESPEARE}")
-    return TINY_SHAKESPEARE
+def real_text_path(tmp_path_factory) -> Path:
+    """Real text for the checks that need it (the tokenizer, the canonical mask): ../shared's Tiny
+    Shakespeare where present, else the repository's own Markdown and Python sources (sorted, joined
+    by blank lines, written once per session). The stand-in keeps ASCII only: GPT-2 emits a few pairs
+    the record's mask drops after a token that ends inside a multi-byte character (the emoji seam in
+    tests/model/test_model_canonical_mask.py), and a doc edit must not be able to fail the test."""
+    if TINY_SHAKESPEARE.is_file():
+        return TINY_SHAKESPEARE
+    sources = sorted(p for pattern in ("*.md", "*.py") for p in REPO_ROOT.rglob(pattern)
+                     if not any(part.startswith(".") or part in NOT_SOURCES for part in
+                                p.relative_to(REPO_ROOT).parts))
+    text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in sources)
+    text = text.encode("ascii", errors="replace").decode("ascii")
+    assert len(text) >= REPOSITORY_TEXT_MIN_CHARS, f"the repository's own text is {len(text):,} characters"
+    path = tmp_path_factory.mktemp("real_text") / "repository.txt"
+    path.write_text(text, encoding="utf-8")
+    return path
 
 
 @pytest.fixture(scope="session")

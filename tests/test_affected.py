@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from tests.affected import changed_files, main, select
+from tests.file_tree import write_tree
 
 FILES = {  # a miniature of the project's layout (net/ for model/): path -> source
     "net/__init__.py": "",
@@ -36,10 +37,7 @@ FILES = {  # a miniature of the project's layout (net/ for model/): path -> sour
 
 @pytest.fixture
 def repo(tmp_path):
-    for path, source in FILES.items():
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(source)
-    return tmp_path
+    return write_tree(tmp_path, FILES)
 
 
 @pytest.mark.parametrize("changed, expected", [

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.file_tree import write_tree
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -152,10 +154,7 @@ FILES = {  # a hand-made repository: net.a -> net.b -> net.c -> net.a, the last 
 
 @pytest.fixture
 def repo(tmp_path):
-    for path, source in FILES.items():
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(source)
-    return tmp_path
+    return write_tree(tmp_path, FILES)
 
 
 def test_a_circle_through_a_function_local_import_is_found_and_named(repo):

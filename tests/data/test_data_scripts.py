@@ -47,23 +47,25 @@ def test_tokenize_help_as_script_and_module(tmp_path):
         assert "one document per file" in text
 
 
-def test_tokenize_shakespeare_as_script_gives_tiktokens_tokens(tmp_path, gpt2_bpe, tiny_shakespeare_path):
-    text = tiny_shakespeare_path.read_text(encoding="utf-8")
+def test_tokenize_real_text_as_script_gives_tiktokens_tokens(tmp_path, gpt2_bpe, real_text_path):
+    text = real_text_path.read_text(encoding="utf-8")
     # Independent split: a regex on blank-line runs (the script groups lines).
     docs = [d.rstrip("\n") for d in re.split(r"\n(?:[ \t]*\n)+", text) if d.strip()]
     encoding = gpt2_bpe
     expected = [t for doc in docs for t in [BOS_ID, *encoding.encode_ordinary(doc)]]
     assert len(expected) == sum(len(encoding.encode_ordinary(d)) for d in docs) + len(docs)
+    assert len(expected) > 240_000  # at least three training shards
 
     out = tmp_path / "out"
-    result = run([TOKENIZE, tiny_shakespeare_path, "--out", out, "--val-tokens", "30000",
+    result = run([TOKENIZE, real_text_path, "--out", out, "--val-tokens", "30000",
                   "--shard-tokens", "120000", "--workers", "2"], cwd=tmp_path)
     assert f"{len(docs):,} documents, {len(expected):,} tokens" in result.stdout
-    val, train = shard_tokens(out, "tinyshakespeare")
+    name = real_text_path.stem
+    val, train = shard_tokens(out, name)
     assert len(val) == 30000 and val + train == expected
-    shards = sorted(p.name for p in out.iterdir())
-    assert shards == ["tinyshakespeare_train_000001.bin", "tinyshakespeare_train_000002.bin",
-                      "tinyshakespeare_train_000003.bin", "tinyshakespeare_val_000000.bin"]
+    train_shards = -(-(len(expected) - 30000) // 120000)  # ceil: full shards, then the rest
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f"{name}_train_{i:06d}.bin" for i in range(1, train_shards + 1)] + [f"{name}_val_000000.bin"])
 
 
 def test_tokenize_as_module_with_jsonl_and_markdown(tmp_path, gpt2_bpe):
