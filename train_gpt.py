@@ -38,7 +38,8 @@ from model.prefix import STORED_TABLE, build_prefix_table, build_prefix_table_sh
 from optim.schedule import TrainingSchedule
 from optim.tail_average import TailAverages
 from perf.collectives import named_timeouts
-from perf.compile import compiled_graphs
+from perf.compile import allocator_settings_line, check_warmup_compiled, compiled_graphs
+from perf.loss_watch import LossWatch
 from perf.checks.cost import RunCost, device_peak, schedule_cost
 from perf.checks.preflight import check_node
 from perf.checks.sync_check import host_side, sync_check
@@ -283,11 +284,14 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
             log.print0("resetting model and optimizer state", console=True)
         run.reset()
         warmup_graphs = compiled_graphs() - graphs_before_warmup
+        if setup.backend.compile and cfg.warmup:  # a compile that silently did not happen stops here
+            check_warmup_compiled(warmup_graphs, setup.backend)
         if run.graphs is not None:  # every key the clock meets was captured (and checked) in the warmup
             run.graphs.freeze()
             log.print0(f"cuda graphs: {run.graphs.summary()}", console=True)
             if setup.device.type == "cuda":
                 torch.cuda.empty_cache()  # the eager warm-up calls' cached blocks; the graphs keep their pool
+        log.print0(allocator_settings_line(setup.device), console=True)  # what the warmup's allocations got
         tails = TailAverages(run.manager, schedule)
         loader = TrainLoader(train_glob, setup.virtual_ranks, cfg.virtual_world_size, **run.hash_sizes,
                              pin_memory=setup.device.type == "cuda" and run.batch_ring is None)  # the ring pins
@@ -318,6 +322,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                 return loader.next_batches(schedule.batch_tokens(step) // cfg.virtual_world_size, schedule.doc_cap(step))
 
         following = next_batches(0)
+        loss_watch = LossWatch(setup.device, setup.world_size)
         with garbage_collector_paused():  # record #360: no collection pauses inside the timed loop
             for step in range(steps):
                 if cfg.val_every and step % cfg.val_every == 0:  # intermediate validation: off the clock
@@ -332,25 +337,29 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                 if step and schedule.softmax_p(step) != schedule.softmax_p(step - 1):
                     log.print0(softmax_change_line(step, n, schedule.softmax_p(step - 1), schedule.softmax_p(step),
                                                    cfg.model.vocab_size), console=True)
-                with sync_check(setup.device, enabled=setup.backend.sync_check):  # SPEEDRUN_SYNC_CHECK=1
+                # SPEEDRUN_SYNC_CHECK=1: the step and its logging steps alike wait on nothing
+                with sync_check(setup.device, enabled=setup.backend.sync_check):
                     # the loop reads one step ahead: the row prefetch plans the next step's rows now
                     batches, following = following, next_batches(step + 1)
                     loss_sum = run.train_step(step, batches, following)
                     tails.tick(step)  # this rank's rows: updated in place, gathers in flight or not
+                    if not cfg.log_train_loss and (setup.device.type == "cpu" or (step + 1) % PRINT_EVERY == 0):
+                        loss_watch.observe(step, loss_sum, schedule.batch_tokens(step))  # NaN check, no sync
+                    loss_watch.poll()  # the last check's copy, read once it has landed (no wait)
                 rec.progress(step + 1)
-                if cfg.log_train_loss or setup.device.type == "cpu" or (step + 1) % PRINT_EVERY == 0:
+                if cfg.log_train_loss:  # every step's loss, read at once: a host sync per step (the flag says so)
                     if setup.world_size > 1:
                         dist.all_reduce(loss_sum)
                     train_loss = loss_sum.item() / schedule.batch_tokens(step)
                     check_finite(step, {"training loss (main + MTP + prefix terms)": train_loss})
-                    if cfg.log_train_loss:
-                        log.print0(f"step:{step + 1}/{n} train_loss:{train_loss:.4f}", console=setup.device.type == "cpu")
-                        rec.record.train_losses = [*(rec.record.train_losses or []), train_loss]  # to the bit
+                    log.print0(f"step:{step + 1}/{n} train_loss:{train_loss:.4f}", console=setup.device.type == "cpu")
+                    rec.record.train_losses = [*(rec.record.train_losses or []), train_loss]  # to the bit
                 if (step + 1) % PRINT_EVERY == 0 or step >= n - 2 or step + 1 == steps:
                     elapsed = train_ms + 1000 * (time.perf_counter() - t0)
                     log.print0(format_step_line(step + 1, n, elapsed, cost.tokens_per_s(step + 1, elapsed),
                                                 cost.mfu(step + 1, elapsed), cost.peak_fraction(step + 1, elapsed)),
                                console=True)
+        loss_watch.finish()  # the last check's copy (the clock runs: a wait here is the run's own)
         timed_graphs = compiled_graphs() - graphs_before_loop - validation_graphs
         # on the clock: the final windows (no YaRN re-application), the val batches, the canonical
         # mask, the tail-average ship

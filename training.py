@@ -34,6 +34,7 @@ from optim.manager import NgramRowOptimizer, OptimizerManager
 from optim.row_exchange import RowExchange
 from optim.schedule import StepWeights, TrainingSchedule
 from perf import backend as perf_backend
+from perf import streams
 from perf.checks.collective_order import CollectiveRecorder
 from perf.compile import compile_model
 from perf.cuda_graphs.capture import RegionGraphs
@@ -298,7 +299,13 @@ class Run:
     def train_step(self, step: int, batches, next_batches=None) -> torch.Tensor:
         """Forward and backward of this process's batches, then every optimizer. Returns the summed
         loss of the process's tokens (detached). next_batches: the batches of the step that follows
-        (the loop's peek), whose n-gram rows are then pulled during this step (SPEEDRUN_ROW_PREFETCH)."""
+        (the loop's peek), whose n-gram rows are then pulled during this step (SPEEDRUN_ROW_PREFETCH).
+        On CPU with SPEEDRUN_STREAM_CHECK=1 every read is checked against the side-stream copies in
+        flight (perf/streams.py)."""
+        with streams.checked_reads(self.setup.device):
+            return self._train_step(step, batches, next_batches)
+
+    def _train_step(self, step: int, batches, next_batches) -> torch.Tensor:
         self.step_position = self.position = f"training step {step}"
         self.flush()  # the previous update's deferred gathers and fp8 refresh, before the forward
         s = self.schedule.settings(step)
@@ -526,6 +533,10 @@ class Run:
     @torch.no_grad()
     def validate(self, batches: list[list], windows: tuple[int, int], canonical_mask=None) -> float:
         """Mean next-token loss over cfg.val_tokens (each process evaluates its virtual ranks)."""
+        with streams.checked_reads(self.setup.device):  # as in train_step
+            return self._validate(batches, windows, canonical_mask)
+
+    def _validate(self, batches: list[list], windows: tuple[int, int], canonical_mask) -> float:
         cfg, setup = self.cfg, self.setup
         self.step_position = self.position = "validation"
         self.flush()  # the last update's gathers and fp8 refresh

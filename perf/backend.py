@@ -14,6 +14,10 @@ can be overridden with environment variables (read once, at first use):
                                  phase) in the warmup, replay them in the timed loop (perf/cuda_graphs/
                                  capture.py; default 1 on CUDA, 0 on CPU, where 1 replays the CPU twin)
     SPEEDRUN_SYNC_CHECK=0|1      fail on any host sync inside the timed training step (perf/checks/sync_check.py)
+    SPEEDRUN_STREAM_CHECK=0|1    on CPU, model a GPU's side streams and stop at a wait left out, a staging
+                                 buffer reused while its copy is in flight, a keep-alive on the wrong stream
+                                 or device work from another thread during a capture (perf/streams.py;
+                                 default 0, always 1 in the tests)
     SPEEDRUN_HOST_CHECKS=0|1     debugging checks that read tensor values on the host (index ranges, ...):
                                  default 1 on CPU, 0 on CUDA and under SPEEDRUN_SYNC_CHECK=1 (a GPU would
                                  wait on them); never inside torch.compile
@@ -75,6 +79,7 @@ BACKEND_VARIABLES = ("SPEEDRUN_TRITON", "SPEEDRUN_FP8", "SPEEDRUN_ATTENTION", "S
                      "SPEEDRUN_HOST_CHECKS", "SPEEDRUN_OVERLAP", "SPEEDRUN_PINNED_BATCHES", "SPEEDRUN_FUSED_QKV",
                      "SPEEDRUN_SHARDED_PREFIX", "SPEEDRUN_DEFERRED_GATHERS", "SPEEDRUN_ROW_PREFETCH")
 OTHER_VARIABLES = ("SPEEDRUN_FA3_DIR",  # perf/attention_backends.py: a local FA3 build
+                   "SPEEDRUN_STREAM_CHECK",  # perf/streams.py: the side-stream checks on CPU (tests: always)
                    "SPEEDRUN_FAKE_GPU", "SPEEDRUN_CROSS_COMPILE_TRACEBACK",  # perf/tools/cross_compile.py's own
                    "SPEEDRUN_CROSS_COMPILE_TEMP_CACHE")
 

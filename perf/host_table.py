@@ -18,17 +18,24 @@ The thread runs its jobs in submission order, so a gather submitted after a scat
 written rows: the math is the device table's, bit for bit (index_select and index_copy_ of the
 same rows). Pinned staging comes from torch's caching host allocator (`pin_memory=True`), which
 keeps a block alive until the copies that use it are done. On a CPU run the "device" is the
-host: the same code path, with plain copies.
+host: the same code path, with plain copies, which the stream checks (perf/streams.py) hold to a
+GPU's rules.
+
+The thread is a `perf.streams.DeviceWorker`: a capture (CUDA graphs, the warmup) drains and holds
+it, so it never issues device work (a pinned allocation, a copy, an event) while the main thread
+captures; the next step's prefetched gather is submitted just before the captured forward/backward
+and runs after it (issue 38). Its errors are raised on the main thread, at the next call.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from config import NGRAM_TABLE_PLACEMENTS
+from perf import streams
 
 # ours: where `ngram_table=auto` puts the table: in host memory when this rank's shard would take
 # more than this fraction of the device's memory (the rest of a one-GPU record step peaks at
@@ -62,13 +69,15 @@ def choose_placement(setting: str, shard_bytes: int, device: torch.device,
 class PendingRows:
     """A gather in flight (`HostRows.start_gather`): `result()` is the rows on the device."""
 
-    def __init__(self, future: Future):
-        self._future = future
+    def __init__(self, table: "HostRows", future: Future):
+        self._table, self._future = table, future
 
     def result(self) -> Tensor:
-        rows, event = self._future.result()  # the thread's host work is done; the copy may be in flight
-        if event is not None:
-            torch.cuda.current_stream(rows.device).wait_event(event)  # the device waits, not the host
+        # the thread's host work is done; the copy may be in flight
+        rows, event = self._table._worker.result(self._future, "a host-rows gather")
+        reader = streams.current_stream(rows.device)  # the stream that reads the rows: the caller's
+        reader.wait_event(event)                       # the device waits, not the host
+        streams.keep_alive(rows, reader)               # allocated on the side stream, read on this one
         return rows
 
 
@@ -80,9 +89,8 @@ class HostRows:
         self.shape = (rows, dim)
         self.dtype = dtype
         self.data = torch.zeros(rows, dim, dtype=dtype)  # pageable host memory: no 121 GiB pin
-        self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="host-rows")
+        self._stream = streams.side_stream(self.device, "host-rows")
+        self._worker = streams.DeviceWorker("host-rows")
 
     def dim(self) -> int:
         return 2
@@ -100,28 +108,26 @@ class HostRows:
         return self.data.nbytes
 
     def _gather(self, index: np.ndarray):
+        """On the worker thread: rows[index] into pinned staging, then a copy to the device on the
+        side stream; returns (rows, the event behind the copy)."""
         idx = torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))
-        if not self._cuda:
-            return self.data.index_select(0, idx), None
-        staged = torch.empty((idx.numel(), self.shape[1]), dtype=self.dtype, pin_memory=True)
+        staged = streams.pinned_empty((idx.numel(), self.shape[1]), self.dtype, self.device, "a host-rows gather")
         torch.index_select(self.data, 0, idx, out=staged)
-        with torch.cuda.stream(self._stream):
-            rows = staged.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        rows.record_stream(torch.cuda.current_stream(self.device))  # read later on the main stream
+        rows = streams.to_device(staged, self._stream, "host-rows gather")
+        event = streams.Event(self.device)
+        event.record(self._stream)
         return rows, event
 
     def start_gather(self, index: np.ndarray) -> PendingRows:
         """rows[index] on the device, gathered and copied on the worker thread (index: host int64)."""
-        return PendingRows(self._thread.submit(self._gather, index))
+        return PendingRows(self, self._worker.submit(self._gather, index, what="a host-rows gather"))
 
     def gather(self, index: np.ndarray) -> Tensor:
         return self.start_gather(index).result()
 
-    def _write(self, index: np.ndarray, staged: Tensor, event) -> None:
-        if event is not None:
-            event.synchronize()  # this thread waits for the device→host copy; the main thread does not
+    def _write(self, index: np.ndarray, staged: Tensor, event: streams.Event) -> None:
+        event.synchronize()  # this thread waits for the device→host copy; the main thread does not
+        streams.host_read(staged, "the host-rows write-back staging")
         self.data.index_copy_(0, torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64)), staged)
 
     def scatter(self, index: np.ndarray, values: Tensor) -> None:
@@ -130,24 +136,22 @@ class HostRows:
         if values.shape != (len(index), self.shape[1]) or values.dtype != self.dtype:
             raise ValueError(f"HostRows.scatter: values must be {self.dtype} [{len(index)}, {self.shape[1]}], "
                              f"got {values.dtype} {tuple(values.shape)}")
-        event = None
-        if self._cuda:
-            staged = torch.empty(values.shape, dtype=self.dtype, pin_memory=True)
-            staged.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            staged = values.clone()  # the caller may reuse its tensor
-        self._thread.submit(self._write, index, staged, event)
+        # device→host into staging of its own on the caller's stream (the caller may reuse `values`)
+        staged = streams.pinned_empty(values.shape, self.dtype, self.device, "a host-rows write-back")
+        current = streams.current_stream(self.device)
+        streams.copy(staged, values, current, "host-rows write-back")
+        event = streams.Event(self.device)
+        event.record(current)
+        self._worker.submit(self._write, index, staged, event, what="a host-rows write-back")
 
     @torch.no_grad()
     def zero_(self) -> "HostRows":
-        self._thread.submit(self.data.zero_).result()
+        self._worker.result(self._worker.submit(self.data.zero_, what="zeroing the rows"), "zeroing the rows")
         return self
 
     def synchronize(self) -> None:
         """Wait for every submitted gather and write-back (before the rows are read on the host)."""
-        self._thread.submit(lambda: None).result()
+        self._worker.drain()
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        self._worker.close()

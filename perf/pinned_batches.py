@@ -10,7 +10,9 @@ What it does: the batch's tensors are copied (a host memcpy) into the next of R 
 host buffers, pinned on CUDA; a side stream copies the slot into fresh device tensors and records the
 slot's event; the compute stream waits on that event, so the step reads the batch only once it has
 landed, and the copy itself overlaps whatever the compute stream is running. On CPU the same code
-runs with plain host buffers, a null stream and events that are always complete.
+runs with plain host buffers through perf/streams.py, whose checks (SPEEDRUN_STREAM_CHECK=1, on in
+the tests) hold it to a GPU's rules: a slot rewritten while its copy may be in flight, or a batch
+read before the compute stream waited for its slot's event, stops the run.
 
 Invariant: a slot is rewritten only after the event recorded behind its last host→device copy has
 completed (a DMA reads pinned memory asynchronously, so a host that runs ahead would otherwise
@@ -41,38 +43,19 @@ where each upload allocated pinned memory of its own.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import fields, is_dataclass, replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from perf import streams
+
 RING_SLOTS = 3  # ours (module docstring); record #360's ring has 40 slots, copied on the compute stream
 # ours: PinnedStaging copies on the compute stream, so a slot retires only when the device reaches its
 # copy: R slots let the host run R uploads ahead of the device before it waits (record #360 keeps a
 # 16-slot ring for its bank scalars and 16-slot rings for its row want-lists)
 STAGING_SLOTS = 4
-
-
-class NullStream:
-    """The CPU's stand-in for a CUDA stream: every copy is synchronous, so there is nothing to order."""
-
-    def wait_event(self, event) -> None:
-        pass
-
-
-class CompletedEvent:
-    """The CPU's stand-in for a CUDA event: a copy has finished when copy_ returns."""
-
-    def record(self, stream=None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
 
 
 class _Slot:
@@ -98,21 +81,17 @@ class PinnedBatchRing:
     """A ring of `slots` host staging slots for batches (dataclasses of tensors and plain values,
     data.loader.Batch) on their way to `device`.
 
-    event_factory: makes each slot's event (default torch.cuda.Event on CUDA, CompletedEvent on CPU);
-    tests pass events whose completion they control. stream: the copy stream (default a new CUDA
-    stream on CUDA, NullStream on CPU)."""
+    event_factory: makes each slot's event (default perf.streams.Event: CUDA's, or the ledger's on
+    CPU); tests pass events whose completion they control. stream: the copy stream (default a new
+    perf.streams side stream)."""
 
     def __init__(self, device: torch.device | str, slots: int = RING_SLOTS, *, event_factory=None, stream=None):
         self.device = torch.device(device)
         if slots < 1:
             raise ValueError(f"PinnedBatchRing needs at least one slot, got {slots}")
         self.cuda = self.device.type == "cuda"
-        if self.cuda:
-            self.stream = torch.cuda.Stream(self.device) if stream is None else stream
-            event_factory = event_factory or torch.cuda.Event
-        else:
-            self.stream = NullStream() if stream is None else stream
-            event_factory = event_factory or CompletedEvent
+        self.stream = streams.side_stream(self.device, "batch-ring") if stream is None else stream
+        event_factory = event_factory or (lambda: streams.Event(self.device))
         self.slots = [_Slot(event_factory()) for _ in range(slots)]
         self.next_slot = 0
         self.capacity: dict[str, tuple[int, torch.dtype]] = {}  # field → (elements, dtype) of every slot
@@ -124,7 +103,7 @@ class PinnedBatchRing:
         self.waits += _await_slot(self.slots[index], f"pinned batch ring: slot {index}")
 
     def _host_buffer(self, numel: int, dtype: torch.dtype) -> Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=self.cuda)
+        return streams.pinned_empty(numel, dtype, self.device, "the batch ring")
 
     def _grow(self, tensors: dict[str, Tensor]) -> None:
         """Give every slot buffers that hold `tensors` (all slots at once: an allocation of pinned
@@ -141,9 +120,6 @@ class PinnedBatchRing:
             for name, (numel, dtype) in grown.items():
                 slot.buffers[name] = self._host_buffer(numel, dtype)
         self.capacity.update(grown)
-
-    def _copy_stream(self):
-        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     def to_device(self, host_batch):
         """`host_batch` on the device, through the next slot: the same type and values as
@@ -174,23 +150,20 @@ class PinnedBatchRing:
         slot = self.slots[index]
         staged = {}
         for name, t in tensors.items():
+            streams.host_write(slot.buffers[name], f"batch ring slot {index} ({name})")
             view = slot.buffers[name][:t.numel()].view(t.shape)
             view.copy_(t)  # host memcpy; the slot's previous copy has retired (waited above)
             staged[name] = view
         self.staged = replace(host_batch, **{k: v for k, v in staged.items() if k not in extra})
-        compute = torch.cuda.current_stream(self.device) if self.cuda else self.stream
-        moved = {}
-        with self._copy_stream():
-            for name, view in staged.items():
-                # a fresh device tensor, not a device slot: a step still reading the batch R uploads
-                # later is never overwritten (on CPU, .to(cpu) would return the slot itself)
-                moved[name] = torch.empty(view.shape, dtype=view.dtype, device=self.device)
-                moved[name].copy_(view, non_blocking=True)
-            slot.event.record(self.stream)
+        compute = streams.current_stream(self.device)
+        # fresh device tensors, not device slots: a step still reading the batch R uploads later is
+        # never overwritten (on CPU, .to(cpu) would return the slot itself)
+        moved = {name: streams.to_device(view, self.stream, f"batch ring slot {index} ({name})")
+                 for name, view in staged.items()}
+        slot.event.record(self.stream)
         compute.wait_event(slot.event)
-        if self.cuda:
-            for t in moved.values():  # allocated on the copy stream, read on the compute stream
-                t.record_stream(compute)
+        for t in moved.values():  # allocated on the copy stream, read on the compute stream
+            streams.keep_alive(t, compute)
         batch = replace(host_batch, **{k: v for k, v in moved.items() if k not in extra})
         return batch, {k: moved[k] for k in extra}
 
@@ -217,7 +190,7 @@ class PinnedStaging:
         if slots < 1:
             raise ValueError(f"PinnedStaging needs at least one slot, got {slots}")
         self.cuda = self.device.type == "cuda"
-        event_factory = event_factory or (torch.cuda.Event if self.cuda else CompletedEvent)
+        event_factory = event_factory or (lambda: streams.Event(self.device))
         self.slots = [_Slot(event_factory()) for _ in range(slots)]
         self.next_slot = 0
         self.capacity: dict[torch.dtype, int] = {}  # dtype → elements of every slot's buffer
@@ -241,17 +214,19 @@ class PinnedStaging:
             for index, slot in enumerate(self.slots):
                 if dtype in slot.buffers:
                     self._wait(index)  # the old buffer may still be the source of a copy
-                slot.buffers[dtype] = torch.empty(grown, dtype=dtype, pin_memory=self.cuda)
+                slot.buffers[dtype] = streams.pinned_empty(grown, dtype, self.device, "pinned staging")
             self.capacity[dtype] = grown
         index = self.next_slot
         self.next_slot = (index + 1) % len(self.slots)
         self._wait(index)
         slot = self.slots[index]
         host = slot.buffers[dtype][:numel]
+        streams.host_write(slot.buffers[dtype], f"pinned staging slot {index} ({dtype})")
         if numel:
             np.concatenate(arrays, out=host.numpy(), casting="same_kind")  # host memcpy into the slot
         if out is None:
             out = torch.empty(numel, dtype=dtype, device=self.device)
-        out.copy_(host, non_blocking=True)
-        slot.event.record()  # behind the copy, on the current stream
+        current = streams.current_stream(self.device)
+        streams.copy(out, host, current, f"pinned staging slot {index} ({dtype})")
+        slot.event.record(current)  # behind the copy, on the current stream
         return out

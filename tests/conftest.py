@@ -27,6 +27,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if (SHARED_DIR / "tiktoken_cache").is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_DIR / "tiktoken_cache"))
 
+# The side-stream checks (perf/streams.py) in every test and every process a test starts: on a CPU
+# they model what a GPU would still be copying, and stop at a wait left out or a buffer reused early.
+os.environ["SPEEDRUN_STREAM_CHECK"] = "1"
+
 # Without a GPU, Triton kernels can only run in Triton's interpreter, and @triton.jit reads this
 # variable when a kernel is defined, so it is set before any test imports a kernel module. It only
 # makes kernels runnable: whether the model calls them is perf.backend's choice (portable on CPU).

@@ -66,8 +66,8 @@ def _project_frame() -> str:
     here = Path(__file__).resolve()
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename).resolve()
-        if path == here or REPO_ROOT not in path.parents:
-            continue
+        if path == here or REPO_ROOT not in path.parents or frame.name == "__torch_dispatch__":
+            continue  # not project code, or another dispatch mode's frame (perf/streams.py's)
         return f"{path.relative_to(REPO_ROOT)}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
     return "(no project frame on the stack)"
 

@@ -70,6 +70,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from perf import streams
 from perf.cuda_graphs.state import LIFT_OPS  # torch.tensor(...) inside a region: a Python-made constant
 from perf.cuda_graphs.state import OpRecordingMode
 from perf.cuda_graphs.state import storage_ptr as _storage_ptr
@@ -579,7 +580,8 @@ class RegionGraphs:
 
         graph = self.make_graph()
         graphs_before = _compiled_graphs()  # the warm-up call compiled the key's graph: nothing may compile now
-        outputs = graph.capture(fn)                        # CUDA: nothing runs; the tape: runs once
+        with streams.capturing(region, key):               # no other thread issues device work meanwhile
+            outputs = graph.capture(fn)                    # CUDA: nothing runs; the tape: runs once
         compiled = _compiled_graphs() - graphs_before
         if compiled:
             self.compiles_in_capture[(region, key)] = compiled

@@ -86,7 +86,8 @@ def run_state(run) -> list[tuple[str, Tensor]]:
     out = module_state(run.model) + optimizer_state(run.manager)
     if run.table is not None:  # (features.ngram off: no table, no row optimizer)
         _walk("ngram_optimizer.state", run.ngram_opt.state, out)
-        out.append(("ngram_table.rows", run.table.rows))
+        if isinstance(run.table.rows, Tensor):  # a host table (perf/host_table.py HostRows) is no device state:
+            out.append(("ngram_table.rows", run.table.rows))  # only its worker writes it, outside every region
     _walk("step_weights", vars(run.step_weights), out)
     for (name, shape, dtype), t in run.static_inputs.items():
         label = f"static_input[{name} {list(shape)} {str(dtype).removeprefix('torch.')}]"

@@ -30,6 +30,7 @@ from optim.schedule import TrainingSchedule
 from optim.standin import StandInParams
 from perf import backend as perf_backend
 from perf.tools import bench_host
+from perf import streams
 from perf.pinned_batches import PinnedBatchRing, PinnedStaging
 
 ROWS, DIM = 64, 8
@@ -224,21 +225,25 @@ def test_the_scalar_table_holds_the_fill_paths_values_bitwise(bank_optimizer):
 # ----------------------------------------------------------------------------------------------------
 
 
-class FakeEvent:
-    """A copy in flight until the test says it retired (synchronize retires it)."""
+class FakeEvent(streams.Event):
+    """A copy in flight until the test says it retired (synchronize retires it). The stream checks'
+    event underneath (perf/streams.py): they see the slot free only once it retired."""
 
     def __init__(self, log: list):
+        super().__init__("cpu")
         self.log, self.in_flight = log, False
 
     def record(self, stream=None):
+        super().record(stream)
         self.in_flight = True
 
     def query(self):
-        return not self.in_flight
+        return not self.in_flight and super().query()
 
     def synchronize(self):
         self.log.append(self)
         self.in_flight = False
+        super().synchronize()
 
 
 def test_staging_copies_the_arrays_and_reuses_its_slots_once_their_copies_retire():

@@ -5,6 +5,7 @@ submission order); a smoke run with the table in host memory trains bitwise like
 the device, across table events; the placement rule of `ngram_table=auto`.
 """
 import json
+import time
 
 import numpy as np
 import pytest
@@ -59,3 +60,38 @@ def test_a_host_table_trains_bitwise_like_a_device_table(tmp_path, shards):
         assert f"n-gram table: {placement} memory (ngram_table={placement} (set))" in log
     assert entries["host"]["train_losses"] == entries["device"]["train_losses"]
     assert entries["host"]["val_loss"] == entries["device"]["val_loss"]
+
+
+@pytest.mark.slow
+def test_the_one_gpu_shape_runs_under_the_stream_checks_and_the_capture_rule(tmp_path, shards, monkeypatch):
+    """What the one-GPU recipe runs, on CPU: one process playing 2 ranks, the table in host memory,
+    the row prefetch on and the CUDA-graph twin capturing the warmup, with the side-stream checks
+    (perf/streams.py, on in every test) and the capture rule: the next step's gather, submitted just
+    before a captured forward/backward, is drained by the capture, never run inside it."""
+    from perf import backend as perf_backend
+    from perf import streams
+
+    holds = []
+    original = streams.DeviceWorker.hold
+
+    def hold(self):  # how many jobs each capture found in flight
+        holds.append(self._outstanding)
+        original(self)
+
+    monkeypatch.setattr(streams.DeviceWorker, "hold", hold)
+    gather = HostRows._gather
+
+    def slow_gather(self, index):  # still running when the main thread reaches the capture
+        time.sleep(0.5)
+        return gather(self, index)
+
+    monkeypatch.setattr(HostRows, "_gather", slow_gather)
+    with perf_backend.use_backend(cuda_graphs=True, row_prefetch=True):
+        train_gpt.main(["--config", "smoke", "--data-path", str(shards), "--val-every", "0", "--val-tokens", "2048",
+                        "--seed", "0", "--max-steps", "3", "--set", "ngram_table=host", "--records-dir", str(tmp_path)])
+    (line,) = (tmp_path / "runs.jsonl").read_text().splitlines()
+    entry = json.loads(line)
+    log = open(entry["log_path"]).read()
+    assert entry["status"] == "finished" and "n-gram table: host memory" in log
+    assert "cuda graphs: graphs captured: forward_backward" in log and "replays" in log
+    assert holds and any(holds), f"no capture found a prefetched gather to drain: {holds}"  # drained, not overlapped

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from data.loader import Batch, dummy_batch
+from perf import streams
 from perf.pinned_batches import RING_SLOTS, PinnedBatchRing
 
 # small hash tables: the ids only need to be a batch's real fields, not the record's sizes
@@ -65,20 +66,23 @@ def test_slots_cycle_with_period_r(slots):
     assert capacity == {"inputs": 256, "targets": 256, "cu_seqlens": 128, "ngram_ids": 512, "ngram_sign_rows": 512}
 
 
-class FakeEvent:
+class FakeEvent(streams.Event):
     """An event whose completion the test controls: record() puts a copy in flight; synchronize()
-    runs the test's check, then completes the copy unless the test says it never completes."""
+    runs the test's check, then completes the copy unless the test says it never completes. It is
+    the stream checks' event underneath (perf/streams.py), so they see it complete only then."""
 
     def __init__(self, log: list):
+        super().__init__("cpu")
         self.log, self.in_flight, self.completes, self.on_wait = log, False, True, None
         self.streams = []
 
     def record(self, stream=None):
+        super().record(stream)
         self.in_flight = True
         self.streams.append(stream)
 
     def query(self):
-        return not self.in_flight
+        return not self.in_flight and super().query()
 
     def synchronize(self):
         self.log.append(self)
@@ -86,6 +90,7 @@ class FakeEvent:
             self.on_wait()
         if self.completes:
             self.in_flight = False
+            super().synchronize()
 
 
 def _fake_ring(slots: int):
@@ -158,7 +163,7 @@ def test_pinned_ring_on_cuda_with_a_busy_copy_stream():
     torch.cuda.synchronize()
     assert all(buf.is_pinned() for slot in ring.slots for buf in slot.buffers.values())
     waits = ring.waits
-    with torch.cuda.stream(ring.stream):
+    with torch.cuda.stream(ring.stream.cuda):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of the copy stream: its copies retire late
     seen = []
     for b in host[:RING_SLOTS + 1]:

@@ -70,13 +70,17 @@ def _poison_forward(monkeypatch, at_call, make):
     monkeypatch.setattr(GPT, "forward", forward)
 
 
-def test_nan_loss_stops_naming_the_step_and_term(tmp_path, shards, monkeypatch):
+@pytest.mark.parametrize("flags, message, progress", [
+    ((), "is nan at step 1", 2),  # the smoke preset's per-step loss line: read at once, after the step's progress
+    (("--set", "log_train_loss=false"), r"is nan at step 1 \(read from a copy that landed after the step, "
+                                        r"without a host sync; finite at step 0", 1)])  # the loss watch
+def test_nan_loss_stops_naming_the_step_and_term(tmp_path, shards, monkeypatch, flags, message, progress):
     _poison_forward(monkeypatch, at_call=3, make=lambda loss: loss * float("nan"))  # step 1 (2 micro-batches a step)
-    with pytest.raises(NonFiniteLossError, match="is nan at step 1"):
-        _main(tmp_path, "--data-path", str(shards), "--max-steps", "3")
+    with pytest.raises(NonFiniteLossError, match=message):
+        _main(tmp_path, "--data-path", str(shards), "--max-steps", "3", *flags)
     (entry,) = _runs(tmp_path)
     assert entry["status"] == "failed" and "training loss (main + MTP + prefix terms)" in entry["error"]
-    assert entry["steps"] == 2  # progress recorded: step 1 finished its update before the check
+    assert entry["steps"] == progress  # progress recorded: step 1 finished its update before the check
 
 
 def test_ctrl_c_is_interrupted_and_the_log_flushed(tmp_path, shards, monkeypatch):
@@ -348,16 +352,29 @@ def _sync_in_row_exchange(monkeypatch):
     monkeypatch.setattr(PendingPull, "finish", finish)
 
 
+def _sync_in_loss_watch(monkeypatch):
+    from perf.loss_watch import LossWatch
+
+    original = LossWatch.observe
+
+    def observe(self, step, loss_sum, tokens):  # the NaN check of a logging step (every step on CPU)
+        bool(loss_sum.isnan())  # INJECTED SYNC loss watch
+        return original(self, step, loss_sum, tokens)
+
+    monkeypatch.setattr(LossWatch, "observe", observe)
+
+
 @pytest.mark.parametrize("inject, where", [(_sync_in_forward, "forward"), (_sync_in_optimizer, "optimizer"),
-                                           (_sync_in_row_exchange, "row exchange")])
+                                           (_sync_in_row_exchange, "row exchange"),
+                                           (_sync_in_loss_watch, "loss watch")])
 def test_sync_check_names_an_injected_sync(tmp_path, shards, monkeypatch, inject, where):
     from perf import backend as perf_backend
     from perf.checks.sync_check import HostSyncError
 
     inject(monkeypatch)
     with perf_backend.use_backend(sync_check=True, host_checks=False):
-        with pytest.raises(HostSyncError) as err:
-            _main(tmp_path, "--data-path", str(shards), "--max-steps", "2")
+        with pytest.raises(HostSyncError) as err:  # the loss watch, not the smoke preset's per-step loss line
+            _main(tmp_path, "--data-path", str(shards), "--max-steps", "2", "--set", "log_train_loss=false")
     msg = str(err.value)
     assert "aten._local_scalar_dense" in msg and "tests/run/test_run_train.py:" in msg, msg
     assert f"INJECTED SYNC {where}" in msg, msg
@@ -367,8 +384,8 @@ def test_sync_check_names_an_injected_sync(tmp_path, shards, monkeypatch, inject
 def test_sync_check_passes_a_clean_run(tmp_path, shards):
     from perf import backend as perf_backend
 
-    with perf_backend.use_backend(sync_check=True, host_checks=False):
-        _main(tmp_path, "--data-path", str(shards), "--max-steps", "4")
+    with perf_backend.use_backend(sync_check=True, host_checks=False):  # the logging steps' loss watch too
+        _main(tmp_path, "--data-path", str(shards), "--max-steps", "4", "--set", "log_train_loss=false")
     (entry,) = _runs(tmp_path)
     assert entry["status"] == "finished" and entry["steps"] == 4
 
@@ -399,3 +416,24 @@ def test_overlap_on_and_off_train_bitwise_alike(tmp_path, shards, three_step_tor
     log = open(entry["log_path"]).read()
     assert re.search(r"cuda graphs: graphs captured: forward_backward \d+, fp8_refresh \d+, optimizer \d+; "
                      r"replay vs eager: (\d+)/\1 tensors bitwise", log), log[-3000:]
+
+
+# ---- a compile that silently does not happen ---------------------------------------------------------
+
+
+def test_a_compiled_run_whose_warmup_compiled_nothing_stops_before_the_clock(tmp_path, shards, monkeypatch):
+    """A compile that silently does not happen (a torch that declines the model, a wrapper that
+    returns it as it is; torch 2.13's fullgraph refuses a dynamo switched off by itself, 2.10 may
+    not): the run must not time the eager model."""
+    import training
+    from perf import backend as perf_backend
+    from perf.compile import NothingCompiled
+
+    monkeypatch.setattr(training, "compile_model", lambda model, backend=None: model)  # the fault
+    with perf_backend.use_backend(compile=True, compile_backend="aot_eager"):
+        with pytest.raises(NothingCompiled, match=r"SPEEDRUN_COMPILE=1 \(backend aot_eager\) but the warmup compiled "
+                                                  r"no graph"):
+            train_gpt.main(["--config", "smoke", "--records-dir", str(tmp_path), "--data-path", str(shards),
+                            "--max-steps", "1", "--val-tokens", "2048", "--seed", "0"])
+    (entry,) = _runs(tmp_path)
+    assert entry["status"] == "failed" and not entry["steps"]  # stopped before the first timed step

@@ -1,0 +1,75 @@
+"""The training loss's NaN check, read without a host sync.
+
+Every `PRINT_EVERY` steps (train_gpt.py) the timed loop checks that the training loss is finite. Read
+with `.item()` at once, that check drains the host's lead over the device (48 times in a record run,
+a sync record #360 does not pay). Here the step's loss sum is all-reduced on the device, copied to
+host staging by a non-blocking copy behind an event, and read when that event has completed: `poll`
+at every later step asks the event (`query`, no wait) and reads the copy once it has landed, at the
+latest at the next check, where it waits if it must (a device more than a logging period behind its
+host). So a NaN stops the run at most one logging period late, the message naming the step whose
+loss it was and the steps since the previous check, within which the NaN arose.
+
+    watch = LossWatch(device, world_size)
+    watch.observe(step, loss_sum, tokens)   # a checked step: all-reduce, copy, event (device work only)
+    watch.poll()                            # every step: a landed copy is read and checked
+    watch.finish()                          # after the loop: the last copy, waited for
+
+On CPU every copy has landed when it returns, so the check is read at the next poll; the stream
+checks (perf/streams.py) hold the copy and its read to a GPU's rules all the same.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from perf import streams
+from records.run_record import NonFiniteLossError
+
+WHAT = "training loss (main + MTP + prefix terms)"
+
+
+class LossWatch:
+    def __init__(self, device, world_size: int):
+        self.device, self.world_size = torch.device(device), world_size
+        self.host = streams.pinned_empty((1,), torch.float32, self.device, "the loss watch")
+        self.pending: tuple[int, int, streams.Event] | None = None  # (step, tokens, event)
+        self.checked_through = -1  # the last step whose loss was read and found finite
+        self.last_loss: float | None = None  # the last loss read (mean per token)
+
+    def observe(self, step: int, loss_sum: torch.Tensor, tokens: int) -> None:
+        """Start the check of this step's loss (the process's summed loss, detached): device work only."""
+        if self.pending is not None:  # the previous copy shares the staging: read it first
+            self._read(wait=True)
+        if self.world_size > 1:
+            dist.all_reduce(loss_sum)
+        current = streams.current_stream(self.device)
+        streams.copy(self.host, loss_sum.reshape(1).float(), current, "the loss watch's copy")
+        event = streams.Event(self.device)
+        event.record(current)
+        self.pending = (step, tokens, event)
+
+    def poll(self) -> None:
+        """Read and check the pending copy if it has landed (no wait)."""
+        if self.pending is not None and self.pending[2].query():
+            self._read(wait=False)
+
+    def finish(self) -> None:
+        """Read and check the last copy, waiting for it (after the timed loop)."""
+        if self.pending is not None:
+            self._read(wait=True)
+
+    def _read(self, wait: bool) -> None:
+        step, tokens, event = self.pending
+        if wait:
+            event.synchronize()
+        streams.host_read(self.host, "the loss watch's staging")
+        loss = self.host.tolist()[0] / tokens  # a host read of host memory: no device sync
+        self.pending = None
+        if not math.isfinite(loss):
+            since = f"finite at step {self.checked_through} (the previous check), so it turned non-finite in steps " \
+                    f"{self.checked_through + 1}..{step}" if self.checked_through >= 0 else "the first check"
+            raise NonFiniteLossError(f"loss term {WHAT!r} is {loss} at step {step} (read from a copy that landed "
+                                     f"after the step, without a host sync; {since}): stopping the run")
+        self.checked_through, self.last_loss = step, loss
