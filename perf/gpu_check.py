@@ -828,6 +828,42 @@ def check_gpu_tests(ctx: Context) -> list[Result]:
                    "failed", note=f"{summary} ({time.perf_counter() - t0:.0f} s)")]
 
 
+SANITIZER_TIMEOUT_S = 150  # per run; two runs keep the script inside its 8-minute budget
+# one graphed step of the smoke preset, eager (the sanitizer sees aten ops, not inductor's kernels),
+# SDPA (the smoke heads are 8 wide, and the kernels hub's FA3 needs a network the GPU node may lack)
+SANITIZER_RUNS = {"smoke": [], "host table": ["--set", "ngram_table=host"]}
+
+
+@register("sanitizer")
+def check_sanitizer(ctx: Context) -> list[Result]:
+    """PyTorch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1: every kernel's reads and writes checked for
+    races between streams) over one graphed step of the smoke run and of the host-table run: the GPU
+    side of perf/streams.py's CPU checks. A dry run lists the commands only (the sanitizer needs CUDA)."""
+    results = []
+    for name, extra in SANITIZER_RUNS.items():
+        with tempfile.TemporaryDirectory() as records:
+            cmd = [sys.executable, "train_gpt.py", "--config", "smoke", "--max-steps", "1", "--val-tokens", "2048",
+                   "--val-every", "0", "--records-dir", records, *extra]
+            case = f"{name}: one graphed step under TORCH_CUDA_SANITIZER=1"
+            if ctx.dry_run:
+                results.append(Result("sanitizer", case, 0.0, 0.0, "failed", note="dry run: " + " ".join(cmd[1:])))
+                continue
+            env = {**os.environ, "TORCH_CUDA_SANITIZER": "1", "SPEEDRUN_COMPILE": "0", "SPEEDRUN_CUDA_GRAPHS": "1",
+                   "SPEEDRUN_ATTENTION": "sdpa"}
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                                      timeout=SANITIZER_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                results.append(Result("sanitizer", case, float("inf"), 0.0, "failed",
+                                      note=f"timed out after {SANITIZER_TIMEOUT_S} s"))
+                continue
+            tail = " / ".join((proc.stdout + proc.stderr).strip().splitlines()[-4:])
+            results.append(Result("sanitizer", case, float(proc.returncode != 0), 0.0, "failed",
+                                  note=f"{'clean' if proc.returncode == 0 else tail} ({time.perf_counter() - t0:.0f} s)"))
+    return results
+
+
 # ------------------------------------------------------------------------------------------------
 # Runner, table, files
 

@@ -28,7 +28,8 @@ and runs after it (issue 38). Its errors are raised on the main thread, at the n
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -42,6 +43,14 @@ from perf import streams
 # 34 GiB with the table off the device: perf.tools.memory --config record --world-size 1)
 HOST_TABLE_DEVICE_FRACTION = 0.5
 
+
+# ours: threads that share each gather's and write-back's rows (contiguous slices, every slice done
+# before the job ends, so submission order holds). One thread measured 3.4x the predicted one-H100
+# step over the recipe's run, 13.6x at a stage-2 table event (python -m perf.tools.bench_host_rows,
+# docs/one_gpu.md "What the worker must sustain"); an 8×H100 node's host has tens of cores for the
+# one process of the one-GPU recipe. Capped at the machine's cores.
+HOST_ROWS_THREADS = 8
+MIN_SLICE_ROWS = 1024  # ours: a smaller job runs on the worker alone (a slice's dispatch would cost more)
 
 # what torch.cuda.get_device_properties reports for an H100 SXM 80GB (79.1 GiB): perf.tools.memory's device
 H100_MEMORY_BYTES = 84_942_979_072
@@ -84,13 +93,29 @@ class PendingRows:
 class HostRows:
     """A row shard [rows, dim] in host memory, read and written by rows off the main thread."""
 
-    def __init__(self, rows: int, dim: int, dtype: torch.dtype, device):
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype, device, threads: int | None = None):
         self.device = torch.device(device)
         self.shape = (rows, dim)
         self.dtype = dtype
         self.data = torch.zeros(rows, dim, dtype=dtype)  # pageable host memory: no 121 GiB pin
         self._stream = streams.side_stream(self.device, "host-rows")
         self._worker = streams.DeviceWorker("host-rows")
+        # host copies only (index_select, index_copy_), inside the worker's jobs: never device work
+        self.threads = max(1, min(threads or HOST_ROWS_THREADS, os.cpu_count() or 1))
+        self._slices = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="host-rows-slice") \
+            if self.threads > 1 else None
+
+    def _sliced(self, copy, rows: int) -> None:
+        """copy(lo, hi) over contiguous slices of range(rows), one per thread; all done on return."""
+        if self._slices is None or rows < 2 * MIN_SLICE_ROWS:
+            copy(0, rows)
+            return
+        parts = min(self.threads, rows // MIN_SLICE_ROWS)
+        bounds = [rows * k // parts for k in range(parts + 1)]
+        others = [self._slices.submit(copy, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+        copy(bounds[0], bounds[1])
+        for other in others:
+            other.result()
 
     def dim(self) -> int:
         return 2
@@ -112,7 +137,7 @@ class HostRows:
         side stream; returns (rows, the event behind the copy)."""
         idx = torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))
         staged = streams.pinned_empty((idx.numel(), self.shape[1]), self.dtype, self.device, "a host-rows gather")
-        torch.index_select(self.data, 0, idx, out=staged)
+        self._sliced(lambda lo, hi: torch.index_select(self.data, 0, idx[lo:hi], out=staged[lo:hi]), idx.numel())
         rows = streams.to_device(staged, self._stream, "host-rows gather")
         event = streams.Event(self.device)
         event.record(self._stream)
@@ -128,7 +153,8 @@ class HostRows:
     def _write(self, index: np.ndarray, staged: Tensor, event: streams.Event) -> None:
         event.synchronize()  # this thread waits for the device→host copy; the main thread does not
         streams.host_read(staged, "the host-rows write-back staging")
-        self.data.index_copy_(0, torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64)), staged)
+        idx = torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))  # distinct rows: slices never overlap
+        self._sliced(lambda lo, hi: self.data.index_copy_(0, idx[lo:hi], staged[lo:hi]), idx.numel())
 
     def scatter(self, index: np.ndarray, values: Tensor) -> None:
         """rows[index] ← values (device [len(index), dim]); written back on the worker thread, before
@@ -155,3 +181,5 @@ class HostRows:
 
     def close(self) -> None:
         self._worker.close()
+        if self._slices is not None:
+            self._slices.shutdown(wait=True)

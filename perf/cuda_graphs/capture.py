@@ -24,6 +24,11 @@ mode; perf/tools/capture_contract.py states what a region must keep to be captur
 * any other key first met after `freeze()` (the timed loop) runs eagerly, counted in
   `eager_calls`, or, with `strict` (the record), stops the run: a record never falls back silently.
 
+Every capture runs inside `perf.streams.capturing(region, key)`: the worker threads that issue
+side-stream work (the host table's) are drained and held until it ends, and a device call of
+perf/streams.py from another thread meanwhile stops the run (a global-mode capture would be
+invalidated by it on CUDA).
+
 Two graph kinds share that plan:
 
 * `CudaGraph`: `torch.cuda.CUDAGraph`, every graph in one memory pool (graphs replay one at a

@@ -27,11 +27,12 @@ table, 56%), which helps the hardware prefetchers: these GB/s are an upper bound
 
 Each variant ("path") is timed over the same steps and rows, in the worker's own wall time:
 * `HostRows`: the class itself on device "cpu" (`start_gather(...).result()`, `scatter` then
-  `synchronize`). Its CPU path is not the CUDA one: the gather's index_select writes a fresh
-  tensor (a new allocation each time, its pages faulted in) where CUDA writes a cached pinned block
-  (`pin_memory=True`, reused), and there is no host→device copy, no device→host copy, no event
-  wait: the DMA runs on the copy engines, not on the worker. `scatter`'s `values.clone()` (the CPU
-  stand-in for the device→host copy) runs on the calling thread and is not counted;
+  `synchronize`), split over its `threads` (HOST_ROWS_THREADS, capped at this machine's cores). Its
+  CPU path is the CUDA one's code with plain copies (perf/streams.py): the gather's index_select
+  writes fresh host staging (a new allocation each time, its pages faulted in, where CUDA reuses a
+  cached pinned block) and the "host→device" copy is a host memcpy on the worker, which on CUDA is
+  a DMA on the copy engines; `scatter`'s device→host copy into staging runs on the calling thread
+  and is not counted;
 * `staged, 1 thread`: the host half of the CUDA path, what the worker itself does there: index_select
   into a preallocated staging buffer (a cached pinned block on CUDA; pageable here, as no pin is
   possible without CUDA), `index_copy_` from a staging buffer into the table, on one worker thread;

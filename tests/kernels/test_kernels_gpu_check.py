@@ -61,10 +61,14 @@ def test_dry_run_writes_results(tmp_path):
     assert env["backend"]["device"] == "cpu" and env["triton_interpret"] == "1"
     assert {r["check"] for r in payload["results"]} == set(gc.CHECKS)
     assert all(r["passed"] for r in payload["results"])
-    kernel_rows = [r for r in payload["results"] if r["check"] != "gpu_tests"]
+    kernel_rows = [r for r in payload["results"] if r["check"] not in ("gpu_tests", "sanitizer")]
     assert all(r["kernel_ms"] is not None and r["torch_ms"] is not None for r in kernel_rows)
     (gpu_tests,) = [r for r in payload["results"] if r["check"] == "gpu_tests"]
     assert gpu_tests["case"] == "pytest -m gpu --collect-only" and "deselected" in gpu_tests["note"]
+    sanitized = [r for r in payload["results"] if r["check"] == "sanitizer"]  # commands only, without CUDA
+    assert [r["case"].split(":")[0] for r in sanitized] == ["smoke", "host table"]
+    assert all(r["note"].startswith("dry run: train_gpt.py --config smoke --max-steps 1") for r in sanitized)
+    assert sanitized[1]["note"].endswith("--set ngram_table=host")
     md = (tmp_path / "results.md").read_text()
     assert f"torch {torch.__version__}" in md and "| check | case | parity |" in md
     assert md.count("| yes |") == len(payload["results"])

@@ -38,6 +38,32 @@ def test_gathers_and_write_backs_follow_submission_order():
         table.close()
 
 
+def test_rows_split_across_threads_are_the_one_threads_rows(monkeypatch):
+    """HOST_ROWS_THREADS: a gather and a write-back cut into contiguous slices, one per thread, give
+    what plain indexing gives (and a job too small to split runs whole)."""
+    monkeypatch.setattr("os.cpu_count", lambda: 4)  # the cap, whatever this machine has
+    g = torch.Generator().manual_seed(1)
+    reference = torch.randn(9000, 4, generator=g).bfloat16()
+    table = HostRows(9000, 4, torch.bfloat16, "cpu", threads=3)
+    table.data.copy_(reference)
+    calls = []
+    sliced = table._sliced
+    monkeypatch.setattr(table, "_sliced", lambda copy, rows: (calls.append(rows), sliced(copy, rows)))
+    try:
+        assert table.threads == 3
+        for size in (5000, 100):
+            index = np.sort(torch.randperm(9000, generator=g)[:size].numpy())
+            assert torch.equal(table.gather(index), reference[torch.from_numpy(index)])
+            values = torch.randn(size, 4, generator=g).bfloat16()
+            table.scatter(index, values)
+            reference[torch.from_numpy(index)] = values
+            table.synchronize()
+            assert torch.equal(table.data, reference)
+        assert calls == [5000, 5000, 100, 100]
+    finally:
+        table.close()
+
+
 def test_auto_placement_keeps_a_cpu_table_on_the_device_and_honours_a_setting():
     assert choose_placement("auto", 10**12, torch.device("cpu"))[0] == "device"
     assert choose_placement("host", 1, torch.device("cpu")) == ("host", "ngram_table=host (set)")
