@@ -59,6 +59,7 @@ from optim.row_exchange import RowExchange, RowPlan
 from optim.schedule import TrainingSchedule
 from perf.collectives import all_gather_single, reduce_scatter_single
 from perf.kernels.transpose import transpose_add_, transpose_into
+from perf import streams
 from perf.pinned_batches import PinnedStaging
 
 
@@ -257,6 +258,7 @@ class OptimizerManager:
             n for n in WORK_ORDER if defer_gathers and self.world_size > 1 and n in self.entries
             and self.entries[n].rule.optim == "bank" and self.entries[n].shard.padded == self.entries[n].shard.n)
         self._in_flight: list[tuple[str, object]] = []   # launched deferred gathers, in launch order
+        self._gathers_writing: list = []  # their writes, for perf/streams.py's checks (CPU)
 
     # --- construction ------------------------------------------------------------------------
     def _make_entry(self, name: str, param: Tensor, rule: ParamRule, frozen: frozenset) -> Entry:
@@ -539,6 +541,8 @@ class OptimizerManager:
             if self.updates_at(entry, step):
                 work, _ = self._all_gather(entry, entry.shard.local(entry.view))
                 self._in_flight.append((name, work))
+                if work is not None:  # the bank is not read before `wait_gathers` (checked on CPU)
+                    self._gathers_writing.append(streams.collective_in_flight(entry.view, f"the deferred all-gather of {name}"))
 
     def wait_gathers(self) -> list[str]:
         """Wait for the launched deferred gathers (on CUDA the current stream waits, not the
@@ -547,7 +551,10 @@ class OptimizerManager:
         for name, work in self._in_flight:
             work.wait()
             names.append(name)
+        for writing in self._gathers_writing:
+            writing.waited()
         self._in_flight.clear()
+        self._gathers_writing.clear()
         return names
 
     @property

@@ -128,15 +128,17 @@ class _Ledger:
             return None
         return job
 
-    def issue(self, what: str, stream: str, dst: Tensor, src: Tensor, alloc_stream: str | None) -> None:
+    def issue(self, what: str, stream: str, dst: Tensor, src: Tensor | None, alloc_stream: str | None) -> _Job:
         with self.lock:
             job = _Job(next(self.numbers), what, stream, alloc_stream, weakref.ref(_owner(dst)),
-                       weakref.ref(_owner(src)), visible={stream})
+                       weakref.ref(_owner(src)) if src is not None else None, visible={stream})
             self.by_dst[_storage(dst)] = job
-            self.by_src[_storage(src)] = job
+            if src is not None:
+                self.by_src[_storage(src)] = job
             waiting = self.pending.setdefault(stream, [])
-            waiting[:] = [j for j in waiting if j.dst() is not None or j.src() is not None]  # both freed: gone
+            waiting[:] = [j for j in waiting if self._live(j.dst) is not None or self._live(j.src) is not None]
             waiting.append(job)
+            return job
 
     def covered(self, stream: str) -> list[_Job]:
         with self.lock:
@@ -517,6 +519,28 @@ def host_read(buffer: Tensor, what: str) -> None:
     """The host is about to read `buffer`, the destination of a device→host copy: it must have landed."""
     if checks_enabled() and buffer.device.type == "cpu":
         LEDGER.check_host_read(buffer, what)
+
+
+class InFlight:
+    """An asynchronous collective's write (`collective_in_flight`), until `waited()`."""
+
+    def __init__(self, job: _Job | None):
+        self.job = job
+
+    def waited(self) -> None:
+        """Its Work was waited: the calling thread's current stream may read the result."""
+        if self.job is not None:
+            LEDGER.made_visible([self.job], LEDGER.current())
+
+
+def collective_in_flight(target: Tensor, what: str) -> InFlight:
+    """An async collective writes `target` (its Work not yet waited: the deferred bank all-gathers,
+    optim/manager.py). On CPU with the checks on, a read of `target` before `waited()` is an unwaited
+    read: gloo runs the collective on its own threads, so on a CPU too the read would race it. On
+    CUDA nothing is kept: Work.wait() makes the current stream wait."""
+    if target.device.type != "cpu" or not checks_enabled():
+        return InFlight(None)
+    return InFlight(LEDGER.issue(what, "collective", target, None, alloc_stream=None))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -660,7 +660,7 @@ class ScheduleCost:
     def sent_bytes(self, step: int) -> dict[str, int]:
         g = self.geometry_at(step)
         return {**self.phase_at(step).sent_bytes,
-                **ngram_sent_bytes(self.cfg, self.world_size, g.tokens, g.accum, g.settings.table_event)}
+                **ngram_sent_bytes(self.cfg, self.world_size, g.tokens, g.accum, self.is_table_event(step))}
 
     @property
     def table_on_host(self) -> bool:
@@ -675,7 +675,13 @@ class ScheduleCost:
         if not self.table_on_host:
             return {}
         g = self.geometry_at(step)
-        return host_table_bytes(self.cfg, g.tokens, g.accum, g.settings.table_event)
+        return host_table_bytes(self.cfg, g.tokens, g.accum, self.is_table_event(step))
+
+    def is_table_event(self, step: int) -> bool:
+        """The step's own table event, from its optimizer phase (a phase is per step; a geometry
+        groups steps of one shape, events or not: its first step's flag priced every step of it,
+        counting all 67 steps of 1107-1173 as events and none elsewhere)."""
+        return self.phase_at(step).phase.table_event
 
     def floor(self, step: int, peak: DevicePeak, with_bytes: str | None = "fused") -> tuple[float, float]:
         """(compute, communication) seconds of `step` on one rank at `peak`. with_bytes None: the

@@ -208,3 +208,18 @@ def test_host_table_bytes_by_hand():
     assert host_table_bytes(cfg, 16_384, 8, False) == {"n-gram row gather, host→device (bf16)": 233_538_846}
     event = host_table_bytes(cfg, 16_384, 8, True)
     assert event["n-gram event rows, host→device and back (bf16)"] == 2 * 524_288 * 768 * 2
+
+
+def test_each_step_is_priced_with_its_own_table_event():
+    """A geometry groups steps of one shape, table events or not: the n-gram push (and a host table's
+    event traffic) is priced by each step's own event, as the schedule has it."""
+    from optim.schedule import TrainingSchedule
+    from perf.checks.cost import schedule_cost
+
+    cfg = RUN_PRESETS["smoke"]
+    cost = schedule_cost(cfg, 2)
+    schedule = TrainingSchedule(cfg.schedule, cfg.features)
+    events = [s for s in range(schedule.total_steps) if schedule.is_table_event(s)]
+    assert [s for s in range(schedule.total_steps) if cost.is_table_event(s)] == events
+    pushed = [s for s in range(schedule.total_steps) if any("push" in k for k in cost.sent_bytes(s))]
+    assert pushed == events and len(events) > len({cost.geometry_at(s).steps[0] for s in events})

@@ -172,3 +172,17 @@ def test_waiting_inside_a_capture_for_a_held_job_is_refused(table):
     with pytest.raises(streams.CaptureConflict, match="host-rows: waiting for a host-rows gather inside a capture"):
         graphs.run("forward_backward", 0, region)
     assert torch.equal(table.gather(np.array([3])), table.data[3:4])  # released after the capture
+
+
+def test_a_read_of_a_bank_before_its_deferred_gather_was_waited_is_caught():
+    """optim/manager.py's deferred all-gathers write the banks after the update; the next forward may
+    read them only after `wait_gathers` (gloo runs the gather on its own threads, so on CPU too)."""
+    bank = torch.zeros(4, 3)
+    writing = streams.collective_in_flight(bank, "the deferred all-gather of qk_bank")
+    with pytest.raises(streams.StreamViolation, match=r"reads the output of copy #\d+ \(the deferred all-gather "
+                                                      r"of qk_bank\) issued on stream 'collective'"):
+        with streams.StreamCheckMode():
+            bank @ torch.ones(3)
+    writing.waited()
+    with streams.StreamCheckMode():
+        bank @ torch.ones(3)
