@@ -29,7 +29,7 @@ if (SHARED_DIR / "tiktoken_cache").is_dir():
 
 # The side-stream checks (perf/streams.py) in every test and every process a test starts: on a CPU
 # they model what a GPU would still be copying, and stop at a wait left out or a buffer reused early.
-os.environ["SPEEDRUN_STREAM_CHECK"] = "1"
+os.environ.setdefault("SPEEDRUN_STREAM_CHECK", "1")
 
 # Without a GPU, Triton kernels can only run in Triton's interpreter, and @triton.jit reads this
 # variable when a kernel is defined, so it is set before any test imports a kernel module. It only
