@@ -569,7 +569,7 @@ class RegionGraphs:
         """The key's first call, eager (on the side stream on CUDA, as capture needs); notes the
         state it writes (fingerprints of the checked state before and after; the excluded state's
         marks, `_guard`)."""
-        start, graphs_before = time.perf_counter(), _compiled_graphs()
+        began, graphs_before = time.perf_counter(), _compiled_graphs()
         named, excluded = self._split(self.named_state())
         before = state_fingerprints(named)
         marks = _excluded_marks(excluded)
@@ -586,11 +586,11 @@ class RegionGraphs:
         born = {n for n, _ in self._split(self.named_state())[0]} - {n for n, _ in named}  # first .grads
         self.warmed[slot] = born | {n for n, _ in named if n in before and not torch.equal(before[n], after[n])}
         # torch.equal above waited for the device: the seconds are the call's, compiles included
-        self._report("warmed up", slot, len(self.warmed), time.perf_counter() - start, _compiled_graphs() - graphs_before)
+        self._report("warmed up", slot, len(self.warmed), time.perf_counter() - began, _compiled_graphs() - graphs_before)
         return out
 
     def _capture(self, region: str, key, fn: Callable):
-        start = time.perf_counter()
+        began = time.perf_counter()
         names = self.warmed[(region, key)]
         checked, excluded = self._split(self.named_state())
         written = [(n, t) for n, t in checked if n in names]
@@ -628,7 +628,7 @@ class RegionGraphs:
         self._guard(region, key, marks)
         self._check(region, key, written, graphed, _flat_tensors(eager_out), graphed_out)  # reads on host: waited
         self.graphs[(region, key)] = Captured(graph, outputs)
-        self._report("captured", (region, key), len(self.graphs), time.perf_counter() - start, compiled)
+        self._report("captured", (region, key), len(self.graphs), time.perf_counter() - began, compiled)
         return eager_out
 
     def _check(self, region, key, written, graphed, eager_out, graphed_out) -> None:
