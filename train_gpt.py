@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import gc
 import resource
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -43,7 +44,7 @@ from perf.loss_watch import LossWatch
 from perf.checks.cost import RunCost, device_peak, schedule_cost
 from perf.checks.preflight import check_node
 from perf.checks.sync_check import host_side, sync_check
-from records.run_log import format_peak_memory_line, format_step_line, format_val_line
+from records.run_log import format_peak_memory_line, format_step_line, format_train_loss_line, format_val_line
 from records.run_record import RunRecorder, check_finite
 from training import CheckpointError, Run, Setup, load_checkpoint, save_checkpoint
 
@@ -153,6 +154,43 @@ def garbage_collector_paused():
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+class _NoBar:
+    """The progress bar of a run that shows none: every call a no-op."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def update(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _bar(steps: int, log):
+    """tqdm over the timed steps on stderr: steps/s and an ETA. The log's console lines go through
+    tqdm.write meanwhile (stdout, the bar cleared and redrawn around them, so neither garbles the
+    other); the log file never sees the bar."""
+    from tqdm import tqdm
+
+    with tqdm(total=steps, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True) as bar:
+        echo, log.echo = log.echo, lambda line: tqdm.write(line, file=sys.stdout)
+        try:
+            yield bar
+        finally:
+            log.echo = echo
+
+
+def progress_bar(cfg: RunConfig, setup: Setup, steps: int, log):
+    """The console's progress bar over the timed steps, on rank 0 of a run that is not a record. A
+    record's console (cfg.name == "record", or a preset that requires the fast path) keeps
+    upstream's lines alone."""
+    if cfg.name == "record" or cfg.requires_fast_path or not setup.is_master:
+        return _NoBar()
+    return _bar(steps, log)
 
 
 def run_cost(cfg: RunConfig, setup: Setup, schedule: TrainingSchedule, log) -> RunCost:
@@ -322,8 +360,14 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                 return loader.next_batches(schedule.batch_tokens(step) // cfg.virtual_world_size, schedule.doc_cap(step))
 
         following = next_batches(0)
-        loss_watch = LossWatch(setup.device, setup.world_size)
-        with garbage_collector_paused():  # record #360: no collection pauses inside the timed loop
+        # each training loss read (the NaN check's, or every step's with --log-train-loss) is a curve
+        # point: a log line (the console's too on CPU, as --log-train-loss prints it; a GPU run's console
+        # keeps upstream's lines) and, through the list itself, runs.jsonl's train_curve, failed runs too
+        loss_watch = LossWatch(setup.device, setup.world_size, on_read=lambda done, ms, loss: log.print0(
+            format_train_loss_line(done, n, loss), console=setup.device.type == "cpu"))
+        rec.record.train_curve = loss_watch.curve
+        with garbage_collector_paused(), progress_bar(cfg, setup, steps, log) as bar:  # record #360: no
+            # collection pauses inside the timed loop
             for step in range(steps):
                 if cfg.val_every and step % cfg.val_every == 0:  # intermediate validation: off the clock
                     setup.synchronize()
@@ -343,8 +387,10 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                     batches, following = following, next_batches(step + 1)
                     loss_sum = run.train_step(step, batches, following)
                     tails.tick(step)  # this rank's rows: updated in place, gathers in flight or not
-                    if not cfg.log_train_loss and (setup.device.type == "cpu" or (step + 1) % PRINT_EVERY == 0):
-                        loss_watch.observe(step, loss_sum, schedule.batch_tokens(step))  # NaN check, no sync
+                    checked = cfg.log_train_loss or setup.device.type == "cpu" or (step + 1) % PRINT_EVERY == 0
+                    step_ms = train_ms + 1000 * (time.perf_counter() - t0) if checked else None  # the host's clock
+                    if checked and not cfg.log_train_loss:
+                        loss_watch.observe(step, loss_sum, schedule.batch_tokens(step), step_ms)  # NaN check, no sync
                     loss_watch.poll()  # the last check's copy, read once it has landed (no wait)
                 rec.progress(step + 1)
                 if cfg.log_train_loss:  # every step's loss, read at once: a host sync per step (the flag says so)
@@ -352,13 +398,14 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                         dist.all_reduce(loss_sum)
                     train_loss = loss_sum.item() / schedule.batch_tokens(step)
                     check_finite(step, {"training loss (main + MTP + prefix terms)": train_loss})
-                    log.print0(f"step:{step + 1}/{n} train_loss:{train_loss:.4f}", console=setup.device.type == "cpu")
+                    loss_watch.add_point(step, step_ms, train_loss)  # its line and curve point
                     rec.record.train_losses = [*(rec.record.train_losses or []), train_loss]  # to the bit
                 if (step + 1) % PRINT_EVERY == 0 or step >= n - 2 or step + 1 == steps:
                     elapsed = train_ms + 1000 * (time.perf_counter() - t0)
                     log.print0(format_step_line(step + 1, n, elapsed, cost.tokens_per_s(step + 1, elapsed),
                                                 cost.mfu(step + 1, elapsed), cost.peak_fraction(step + 1, elapsed)),
                                console=True)
+                bar.update()
         loss_watch.finish()  # the last check's copy (the clock runs: a wait here is the run's own)
         timed_graphs = compiled_graphs() - graphs_before_loop - validation_graphs
         # on the clock: the final windows (no YaRN re-application), the val batches, the canonical

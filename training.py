@@ -15,7 +15,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import functools
 import os
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -36,7 +38,7 @@ from optim.schedule import StepWeights, TrainingSchedule
 from perf import backend as perf_backend
 from perf import streams
 from perf.checks.collective_order import CollectiveRecorder
-from perf.compile import compile_model
+from perf.compile import compile_model, compiled_graphs
 from perf.cuda_graphs.capture import RegionGraphs
 from perf.cuda_graphs.state import run_state
 from perf.host_table import HostRows, choose_placement
@@ -447,6 +449,17 @@ class Run:
         pending = {schedule.windows(max(k - 1, 0)) for k in val_steps}  # windows in force at each validation
         log.print0(f"warming up on dummy data at steps {steps}, validation at windows {sorted(pending)} "
                    f"and {schedule.final_windows()}", console=True)
+        # a line per graph as it is made (the warmup of a record is minutes of compiles and captures):
+        # RegionGraphs names each warm-up and capture; without CUDA graphs a compiled run's compiles are
+        # named here, the plan counting one graph per geometry, per intermediate validation's windows
+        # and the final validation (a step that compiles more says so)
+        progress = functools.partial(log.print0, console=True)
+        if self.graphs is not None:
+            self.graphs.planned = sum(count >= 2 for count in met.values())
+            self.graphs.progress = progress
+        compiles = CompileProgress(
+            (0 if self.graphs is not None else len({schedule.settings(st).geometry for st in steps})) + len(pending) + 1,
+            progress, enabled=self.setup.backend.compile)
         def batches(step: int) -> list:
             tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
             return [dummy_batch(tokens, schedule.doc_cap(step), seed=step, **self.hash_sizes)
@@ -465,11 +478,15 @@ class Run:
                 for i, step in enumerate(steps):
                     if self.windows in pending:
                         pending.discard(self.windows)
-                        self.validate(self.dummy_val_batches(), self.windows)
+                        with compiles.call("validation", self.windows):
+                            self.validate(self.dummy_val_batches(), self.windows)
                     if self.model.mlp_fp8 is not None:  # the fp8 refresh mode the timed loop has at this step
                         self.model.mlp_fp8.refresh_calls = self.fp8_refreshes_before(step)
                     current, following = following, batches(steps[i + 1]) if i + 1 < len(steps) else None
-                    self.train_step(step, current, following)
+                    # under CUDA graphs the step's compile is its forward_backward warm-up's (RegionGraphs' line)
+                    with compiles.call("forward_backward", schedule.settings(step).geometry, step) \
+                            if self.graphs is None else contextlib.nullcontext():
+                        self.train_step(step, current, following)
                 if pending:
                     raise RuntimeError(f"warmup: no warmup step runs at windows {sorted(pending)} of an intermediate "
                                        f"validation (warmup_steps must visit every stage)")
@@ -480,9 +497,12 @@ class Run:
                 vocab = cfg.model.vocab_size
                 mask = torch.zeros((vocab, (vocab + 7) // 8), dtype=torch.uint8, device=self.setup.device) \
                     if cfg.canonical_mask else None
-                self.validate(self.dummy_val_batches(), schedule.final_windows(), mask)
+                with compiles.call("final validation", schedule.final_windows()):
+                    self.validate(self.dummy_val_batches(), schedule.final_windows(), mask)
         finally:
             self.region_runner = runner
+            if self.graphs is not None:
+                self.graphs.progress = None  # the warmup's log only
         if recorder is not None:  # the gather on the exchange's gloo group (a NCCL run), else the default one
             log.print0(recorder.check_across_ranks(self.exchange.group if self.exchange is not None else None),
                        console=True)
@@ -552,6 +572,32 @@ class Run:
         if setup.world_size > 1:
             dist.all_reduce(total)
         return total.item() / cfg.val_tokens
+
+
+class CompileProgress:
+    """The warmup's line per call that compiled (`call` around each; nothing when `enabled` is off):
+    `warmup: compiled forward_backward (1024, 896, ...) at step 0 1/8 in 41.2 s`, n counting the
+    graphs compiled so far against the plan's `planned`, the seconds the host spent in the call
+    (tracing and compiling; the device's share of the call runs on behind it)."""
+
+    def __init__(self, planned: int, print_line, enabled: bool = True):
+        self.planned, self.print_line, self.enabled = planned, print_line, enabled
+        self.done = 0
+
+    @contextlib.contextmanager
+    def call(self, what: str, key, step: int | None = None):
+        if not self.enabled:
+            yield
+            return
+        before, start = compiled_graphs(), time.perf_counter()
+        yield
+        compiled = compiled_graphs() - before
+        if compiled:
+            self.done += compiled
+            at = f" at step {step}" if step is not None else ""
+            more = f" ({compiled} graphs)" if compiled > 1 else ""
+            self.print_line(f"warmup: compiled {what} {key!r}{at} {self.done}/{self.planned}{more} in "
+                            f"{time.perf_counter() - start:.1f} s")
 
 
 def warmup_steps(schedule: TrainingSchedule, region_keys=None, horizon: int | None = None) -> list[int]:

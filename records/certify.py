@@ -43,7 +43,9 @@ At the end it writes DIR/statistics.md (each side's revision, arguments and envi
 machine, run order, per-group statistics from records.report, the verdict against upstream's bar),
 DIR/runs.tsv (which log is which run), DIR/statistics.py (recomputes statistics.md's run table,
 statistics and verdict from the logs and runs.tsv alone: standard library, scipy for the p-values)
-and DIR/README.md (the skeleton of an upstream write-up with the commands to reproduce). `--dry-run`
+DIR/curves.png (the finished runs' loss curves, one colour per side: records.report --curves; shown in
+statistics.md and README.md) and DIR/README.md (the skeleton of an upstream write-up with the
+commands to reproduce). `--dry-run`
 prints every run's command and folder and runs nothing.
 """
 from __future__ import annotations
@@ -64,6 +66,7 @@ from pathlib import Path
 from cli import ArgumentParser, exit_on_config_error
 from records import report
 from records.run_log import parse_log
+from records.runs_log import read_runs
 
 LABELS = ("baseline", "candidate")
 P_LOSS_BAR = 0.01  # upstream: mean val loss below 3.28 at p < 0.01 (one-sided t-test)
@@ -72,6 +75,7 @@ LEDGER_NAME = "certify.json"
 ORDER_NAME = "runs.tsv"
 LEDGER_VERSION = 1
 TSV_COLUMNS = ("index", "label", "commit", "status", "run_id", "log")
+CURVES_NAME = "curves.png"  # ours: the write-up's picture of the runs' loss curves
 README_PLACEHOLDER = "**The change.** (describe it; link the upstream PR)"
 
 
@@ -475,13 +479,42 @@ def write_outputs(out_dir: Path, ledger: dict) -> str:
         head.append("")
     head += ["Recompute the run table, the statistics and the verdict from the logs alone: "
              "`python statistics.py` in this folder.", ""]
+    curves = write_curves(out_dir, rows)
+    head += ["## Curves", "", curves, ""]
     text = "\n".join(head) + "\n" + results
     atomic_write(out_dir / "statistics.md", text)
     atomic_write(out_dir / "statistics.py", STATISTICS_PY)
     readme = out_dir / "README.md"  # rewritten until someone fills in the change
     if not readme.exists() or README_PLACEHOLDER in readme.read_text(encoding="utf-8", errors="replace"):
-        atomic_write(out_dir / "README.md", readme_text(plan, out_dir, results))
+        atomic_write(out_dir / "README.md", readme_text(plan, out_dir, results, curves))
     return text
+
+
+def write_curves(out_dir: Path, rows: list[dict]) -> str:
+    """DIR/curves.png, the finished runs' loss curves, one colour per side (records.report --curves:
+    the training loss each run read, the val loss where it validated more than once), rewritten with
+    the write-up; returns the Markdown that shows it (or says why there is none)."""
+    runs_path = out_dir / "runs.jsonl"
+    finished = {r["run_id"]: r for r in rows if r["status"] == "finished" and r.get("run_id")}
+    records = read_runs(runs_path)[0] if runs_path.is_file() else []
+    groups: dict[str, list[dict]] = {}
+    for label in LABELS:
+        for rec in records:
+            row = finished.get(rec.get("run_id"))
+            if row is not None and row["label"] == label:  # the log where the ledger has it (moved folders too)
+                groups.setdefault(label, []).append(dict(rec, log_path=str(out_dir / row["log"])))
+    if not groups:
+        return "(no finished run yet: no curves)"
+    try:
+        drawn = report.plot_curves(groups, out_dir / CURVES_NAME)
+    except ImportError:
+        return "(matplotlib is not installed (pip install matplotlib): no curves drawn)"
+    train = sum(g.startswith("train") for g in drawn["step"])
+    return (f"![loss curves: training loss per run, val loss where a run validated more than once, against step "
+            f"and training time; baseline and candidate in their own colours]({CURVES_NAME})\n\n"
+            f"{train} training curve(s) of {sum(map(len, groups.values()))} finished run(s) "
+            f"(runs without runs.jsonl `train_curve` predate it); `python -m records.report --runs runs.jsonl "
+            f"--group-by label --curves {CURVES_NAME}` redraws it.")
 
 
 def side_line(plan: dict, label: str) -> str:
@@ -508,7 +541,7 @@ def certify_command(plan: dict) -> str:
     return " \\\n    ".join(shlex.join(part) for part in (first, sides, rest) if part)
 
 
-def readme_text(plan: dict, out_dir: Path, results: str) -> str:
+def readme_text(plan: dict, out_dir: Path, results: str, curves: str) -> str:
     verdict_line = results.rstrip().splitlines()[-1]
     each_run = "\n".join(f"# {label}\n{shell_line(plan, label, out_dir)}" for label in LABELS)
     return f"""# {plan['name']}
@@ -526,6 +559,8 @@ def readme_text(plan: dict, out_dir: Path, results: str) -> str:
 
 {plan['runs_per_group']} runs of each side, interleaved on one machine, unseeded; every run counted.
 Run table, per-group statistics and machine: [statistics.md](statistics.md).
+
+{curves}
 
 ## Reproduce
 
@@ -553,6 +588,7 @@ python statistics.py
 - `logs/*.txt`: every run's log (a run that died before writing one: its console output, `logs/certify-NN-LABEL.txt`)
 - `runs.tsv`: which log is which run, in the order they ran
 - `statistics.md`, `statistics.py`: the statistics and the script that recomputes them
+- `{CURVES_NAME}`: the runs' loss curves (`python -m records.report --curves`)
 - `runs.jsonl`, `certify.json`, `console/`: the runs' records, the certification's ledger, each run's console output
 """
 

@@ -1,6 +1,7 @@
 """Summarise runs.jsonl: is it a record, and is it faster than the baseline?
 
     python -m records.report [--runs FILE] [--group-by KEY] [--baseline VALUE] [--plot OUT.png]
+        [--curves OUT.png|OUT.svg]
 
 Per group (default key: config; any runs.jsonl field works, e.g. label or git_commit) of finished
 runs: n, mean ± sample std of train time and of val loss, the one-sided t-test of the mean val loss
@@ -10,12 +11,20 @@ t-test (two-sided) of each group against the baseline group on time and on loss,
 tokens/s, MFU (model FLOPs over the time at the bf16 dense peak) and peak fraction (each kind at
 its own peak) of the runs that logged them (perf/checks/cost.py; "-" where none did). Printed as a
 Markdown table. Without scipy the p-values are left out (the rest still prints); without
-matplotlib --plot is skipped with a message. Malformed lines are reported with their line number.
+matplotlib --plot and --curves are skipped with a message. Malformed lines are reported with their
+line number.
+
+--curves draws the loss curves of the same runs, one colour per group, against step and against
+training time (two panels): each run's training loss (runs.jsonl `train_curve`, the losses the run
+read: perf/loss_watch.py) as a solid line, and its val loss (the log's val_loss lines) as a dashed
+line with markers where the run validated more than once; the 3.28 target as a black dashed line.
+PNG or SVG, as the file's suffix says.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -204,13 +213,99 @@ def plot_runs(groups: dict[str, list[dict]], out_path: Path) -> None:
     tmp.replace(out_path)
 
 
+CURVE_FORMATS = ("png", "svg")  # ours: what --curves writes, chosen by the file's suffix
+
+
+@dataclass
+class Curve:
+    """One line of the curves figure: a run's training or validation loss."""
+
+    group: str
+    run_id: str
+    kind: str  # "train" (runs.jsonl train_curve) or "val" (the log's val_loss lines)
+    points: list[tuple[int, float, float]]  # (steps done, train_time_ms, loss)
+
+
+def run_curves(groups: dict[str, list[dict]]) -> list[Curve]:
+    """Every run's training curve (where its runs.jsonl line has one: lines older than the field have
+    none) and validation curve (where its log holds more than one val_loss line), group by group."""
+    curves = []
+    for name, runs in groups.items():
+        for r in runs:
+            run_id = str(r.get("run_id", ""))
+            train = r.get("train_curve")
+            if isinstance(train, list) and train:
+                curves.append(Curve(name, run_id, "train", [(int(s), float(ms), float(loss)) for s, ms, loss in train]))
+            log = Path(r.get("log_path") or "")
+            if log.is_file():
+                vals = parse_log(log.read_text(encoding="utf-8", errors="replace")).vals
+                if len(vals) > 1:
+                    curves.append(Curve(name, run_id, "val", [(s, float(ms), loss) for s, _, loss, ms in vals]))
+    return curves
+
+
+def plot_curves(groups: dict[str, list[dict]], out_path: Path) -> dict[str, list[str]]:
+    """Write the curves figure to out_path (PNG or SVG by its suffix; a temp file renamed into place,
+    so a reader never sees half a picture). Returns what was drawn, read back from the figure: per
+    panel (its x label), one `KIND RUN_ID` per loss line (the target line left out)."""
+    fmt = out_path.suffix.lower().lstrip(".")
+    if fmt not in CURVE_FORMATS:
+        raise ValueError(f"--curves {out_path}: the suffix must be one of "
+                         f"{', '.join('.' + f for f in CURVE_FORMATS)} (it picks the format)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    curves = run_curves(groups)
+    colors = {name: f"C{i % 10}" for i, name in enumerate(groups)}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, (xlabel, x_of) in zip(axes, (("step", lambda p: p[0]), ("training time (s)", lambda p: p[1] / 1000))):
+        for c in curves:
+            style = dict(linewidth=1.2) if c.kind == "train" else dict(linestyle="--", marker="o", markersize=3,
+                                                                        linewidth=1)
+            ax.plot([x_of(p) for p in c.points], [p[2] for p in c.points], color=colors[c.group],
+                    gid=f"{c.kind} {c.run_id}", **style)
+        ax.axhline(TARGET_VAL_LOSS, color="k", linestyle="--", linewidth=1, gid="target")
+        ax.set(title=f"loss against {xlabel.split(' (')[0]}", xlabel=xlabel, ylabel="loss")
+        ax.grid(alpha=0.3)
+    counts = {name: len(runs) for name, runs in groups.items()}
+    handles = [Line2D([], [], color=colors[name], label=f"{name} (n={counts[name]})") for name in groups]
+    handles += [Line2D([], [], color="grey", label="training loss (read by the run)"),
+                Line2D([], [], color="grey", linestyle="--", marker="o", markersize=3, label="val loss"),
+                Line2D([], [], color="k", linestyle="--", linewidth=1, label=f"target {TARGET_VAL_LOSS}")]
+    axes[1].legend(handles=handles, fontsize=7)
+    if not curves:
+        fig.suptitle("no run has a training curve (runs.jsonl train_curve) or more than one validation", fontsize=9)
+    fig.tight_layout()
+    drawn = {ax.get_xlabel(): [line.get_gid() for line in ax.get_lines() if line.get_gid() != "target"]
+             for ax in axes}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.tmp{os.getpid()}")
+    try:
+        fig.savefig(tmp, format=fmt, dpi=110)
+        tmp.replace(out_path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return drawn
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m records.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=Path, default=DEFAULT_RUNS_PATH, help="runs.jsonl to read")
     ap.add_argument("--group-by", default="config", help="runs.jsonl field to group by (config, label, git_commit, ...)")
     ap.add_argument("--baseline", default=None, help="the group value to compare every group against (Welch t-tests)")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG of val loss and train time per run")
+    ap.add_argument("--curves", type=Path, default=None, metavar="OUT.png|OUT.svg",
+                    help="write the loss curves (training, and val where a run validated more than once) "
+                         "against step and training time, one colour per group")
     args = ap.parse_args(argv)
+    if args.curves is not None and args.curves.suffix.lower().lstrip(".") not in CURVE_FORMATS:
+        print(f"error: --curves {args.curves}: the suffix must be one of "
+              f"{', '.join('.' + f for f in CURVE_FORMATS)} (it picks the format)", file=sys.stderr)
+        return 2
 
     if not args.runs.is_file():
         print(f"error: runs file {args.runs} does not exist (runs append to it when they end)", file=sys.stderr)
@@ -242,6 +337,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot written to {args.plot}")
         except ImportError:
             print("note: matplotlib is not installed (pip install matplotlib): no plot written", file=sys.stderr)
+    if args.curves is not None:
+        try:
+            drawn = plot_curves(groups, args.curves)
+        except ImportError:
+            print("note: matplotlib is not installed (pip install matplotlib): no curves written", file=sys.stderr)
+        else:
+            lines = drawn["step"]
+            print(f"curves written to {args.curves}: {sum(g.startswith('train') for g in lines)} training and "
+                  f"{sum(g.startswith('val') for g in lines)} validation curve(s)")
     return 0
 
 

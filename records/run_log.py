@@ -59,12 +59,20 @@ def format_val_line(step: int, total_steps: int, val_loss: float, train_time_ms:
             f"step_avg:{train_time_ms / max(step, 1):.2f}ms")
 
 
+def format_train_loss_line(step: int, total_steps: int, train_loss: float) -> str:
+    """`step:{s}/{N} train_loss:{:.4f}`: a point of the training curve (perf/loss_watch.py; every step
+    with --log-train-loss). No `train_time:` field, so neither `_STEP_RE` nor upstream's step-line
+    patterns take it for a step line; `parse_log` reads it into `train_losses`."""
+    return f"step:{step}/{total_steps} train_loss:{train_loss:.4f}"
+
+
 def format_peak_memory_line(allocated_mib: float, reserved_mib: float) -> str:
     return f"peak memory allocated: {allocated_mib:.0f} MiB reserved: {reserved_mib:.0f} MiB"
 
 
 _STEP_RE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:([0-9.]+)ms(?: tokens/s:\d+)?(?: mfu:[0-9.]+%)?(?: peak_fraction:[0-9.]+%)?$")
 _VAL_RE = re.compile(r"^step:(\d+)/(\d+) val_loss:([0-9.naif+-]+) train_time:(\d+)ms step_avg:([0-9.]+)ms$")
+_TRAIN_LOSS_RE = re.compile(r"^step:(\d+)/(\d+) train_loss:([0-9.naif+-]+)$")
 _PEAK_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB$")
 
 
@@ -74,6 +82,7 @@ class ParsedLog:
 
     steps: list[tuple[int, int, int]] = field(default_factory=list)  # (step, total, train_time_ms)
     vals: list[tuple[int, int, float, int]] = field(default_factory=list)  # (step, total, loss, ms)
+    train_losses: list[tuple[int, int, float]] = field(default_factory=list)  # (step, total, loss)
     peak_memory_mib: tuple[int, int] | None = None  # (allocated, reserved)
     sources: list[str] = field(default_factory=list)  # the path headers of the captured source
 
@@ -86,6 +95,8 @@ def parse_log(text: str) -> ParsedLog:
             parsed.steps.append((int(m[1]), int(m[2]), int(m[3])))
         elif m := _VAL_RE.match(line):
             parsed.vals.append((int(m[1]), int(m[2]), float(m[3]), int(m[4])))
+        elif m := _TRAIN_LOSS_RE.match(line):
+            parsed.train_losses.append((int(m[1]), int(m[2]), float(m[3])))
         elif m := _PEAK_RE.match(line):
             parsed.peak_memory_mib = (int(m[1]), int(m[2]))
         elif (line.startswith("# ") and 0 < i < len(lines) - 1
@@ -185,6 +196,10 @@ def environment_header() -> str:
 # ------------------------------------------------------------------------------------------------
 
 
+def _echo(line: str) -> None:
+    print(line, flush=True)
+
+
 class RunLog:
     """Rank 0's log file. `RunLog(run_id, enabled=(rank == 0))`; use it as a context manager."""
 
@@ -196,6 +211,7 @@ class RunLog:
         self.path = Path(logs_dir) / f"{run_id}.txt"
         self.git_commit, self.git_dirty = git_state(root) if enabled else ("unknown", None)
         self._file = None
+        self.echo = _echo  # how a console line is shown (train_gpt.py routes it around its progress bar)
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -215,7 +231,7 @@ class RunLog:
             return
         self._file.write(line + "\n")
         if console and self.console:
-            print(line, flush=True)
+            self.echo(line)
 
     def flush(self) -> None:
         if self._file is not None and not self._file.closed:

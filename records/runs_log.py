@@ -7,7 +7,9 @@ peak_memory_reserved_mib, status, error, log_path; tokens_per_s (global tokens o
 training), mfu (perf.checks.cost.RunCost: the model's FLOPs over the time at the device's bf16 dense peak,
 the standard MFU) and peak_fraction (each kind of FLOP at its own peak, fp8 at the fp8 peak: the
 fraction of the tensor-core floor reached), both null where the device's peak is unknown (a CPU);
-overrides (train_gpt.py --set assignments, null when none).
+overrides (train_gpt.py --set assignments, null when none); train_losses (--log-train-loss: every
+step's loss); train_curve ([step, train_time_ms, loss] per training loss read: the curves of
+`python -m records.report --curves`; absent from older lines).
 
 Appends are atomic across processes: the whole line goes out in one write(2) on an O_APPEND
 descriptor while holding an exclusive flock, so concurrent writers (several runs on one node, or
@@ -60,6 +62,10 @@ class RunRecord:
     peak_fraction: float | None = None  # Σ FLOPs of each kind / its own peak, over the time
     overrides: list[str] | None = None  # train_gpt.py --set assignments (None: the preset as it is)
     train_losses: list[float] | None = None  # --log-train-loss: every step's training loss, full precision
+    # the training curve: [steps done, train_time_ms, loss] per loss the run read (perf/loss_watch.py:
+    # every PRINT_EVERY-th step on a GPU, every step on CPU or with --log-train-loss); a failed run's
+    # holds the points read before it stopped; None in lines written before it existed
+    train_curve: list[list[float]] | None = None
 
     def __post_init__(self):
         if self.status not in STATUSES:

@@ -49,8 +49,8 @@ from torch.utils.flop_counter import flop_registry
 
 from cli import parse_preset_args
 from config import RUN_PRESETS, RunConfig
-from perf.checks.meta_rank import (PORTABLE_BACKEND, build_rank_on_meta, geometries, meta_step, standin_collectives,
-                            storage_key)
+from perf.checks.meta_rank import (PORTABLE_BACKEND, build_rank_on_meta, each_with_progress, geometries, meta_step,
+                                   print_progress, standin_collectives, storage_key)
 
 aten = torch.ops.aten
 GEMM_KINDS = ("fp8 GEMM", "bf16 GEMM", "fp32 GEMM", "attention")
@@ -700,12 +700,14 @@ class ScheduleCost:
         return compute, comm
 
 
-def schedule_cost(cfg: RunConfig, world_size: int | None = None, optimizer: bool = True) -> ScheduleCost:
+def schedule_cost(cfg: RunConfig, world_size: int | None = None, optimizer: bool = True,
+                  progress=None) -> ScheduleCost:
     """Every geometry's and (with `optimizer`) every optimizer phase's cost for one rank of
-    `world_size` processes."""
+    `world_size` processes; `progress` gets a line per geometry counted (main: on stderr)."""
     world_size = world_size or cfg.virtual_world_size
     rank = build_rank_on_meta(cfg, world_size)
-    return ScheduleCost(cfg, world_size, [geometry_cost(rank, s, steps) for s, steps in geometries(rank.schedule)],
+    each = each_with_progress(geometries(rank.schedule), lambda g: f"cost: geometry at step {g[0].step}", progress)
+    return ScheduleCost(cfg, world_size, [geometry_cost(rank, s, steps) for s, steps in each],
                         phase_costs(rank) if optimizer else [])
 
 
@@ -890,7 +892,7 @@ def main(argv=None) -> None:
                                              "2 for smoke)",
                              ranks_of=lambda name: RUN_PRESETS[name].virtual_world_size)
     cfg = args.run_config  # the preset, --set applied (e.g. --set features.sampled_softmax=false)
-    print(format_cost(schedule_cost(cfg, args.world_size)))
+    print(format_cost(schedule_cost(cfg, args.world_size, progress=print_progress)))
 
 
 if __name__ == "__main__":

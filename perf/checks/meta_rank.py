@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
+import time
 from unittest import mock
 
 import torch
@@ -171,6 +173,22 @@ def flash_attention_standin(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
                             paired: bool = False, max_seqlen: int | None = None) -> Tensor:
     """`perf.attention_backends.varlen_attention`'s signature, `_FlashAttentionStandin`'s memory."""
     return _FlashAttentionStandin.apply(q, k, v)
+
+
+def each_with_progress(items: list, what, progress=None):
+    """Yield `items` one by one; once the caller is done with one (it asks for the next), `progress`
+    gets `{what(item)} {i}/{n} in {s:.1f} s` (nothing without one). The tools' per-geometry work on
+    meta takes seconds each (the record's schedule: 18 geometries), so their mains print it."""
+    for i, item in enumerate(items):
+        start = time.perf_counter()
+        yield item
+        if progress is not None:
+            progress(f"{what(item)} {i + 1}/{len(items)} in {time.perf_counter() - start:.1f} s")
+
+
+def print_progress(line: str) -> None:
+    """A tool's progress line: on stderr, so its report on stdout stays what it was."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def geometries(schedule: TrainingSchedule) -> list[tuple[StepSettings, list[int]]]:

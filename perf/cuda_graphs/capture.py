@@ -67,6 +67,7 @@ key, computed on "meta" by perf/tools/capture_cost.py):
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -274,6 +275,15 @@ def _compiled_graphs() -> int:
     return compiled_graphs()
 
 
+def progress_line(verb: str, region: str, key, n: int, planned: int, seconds: float, compiled: int = 0) -> str:
+    """`warmup: captured forward_backward (49152, ...) 3/9 in 12.4 s`: one line per warm-up ("warmed
+    up", the eager first call, which compiles a compiled run's graph) and per capture, n of the
+    planned keys (`?` when the plan is not known), with the graphs dynamo compiled in the call."""
+    of = f"{n}/{planned}" if planned else f"{n}/?"
+    graphs = f", compiled {compiled} graph{'s' if compiled != 1 else ''}" if compiled else ""
+    return f"warmup: {verb} {region} {key!r} {of} in {seconds:.1f} s{graphs}"
+
+
 class GraphMismatch(RuntimeError):
     """A captured region's first replay differs from an eager run of the same call."""
 
@@ -468,6 +478,10 @@ class RegionGraphs:
     staging_block: int = STAGING_BLOCK
     staging: HostStaging | None = None   # the check's host pool, from the first capture to freeze()
     staging_peak: int = 0                # its largest size, bytes (the summary line reports it)
+    # the warmup's progress: a line per warm-up and per capture (`progress_line`), given to `progress`
+    # (training.Run.warmup logs them); planned: the keys the warmup will capture (0: not known)
+    progress: Callable[[str], None] | None = None
+    planned: int = 0
 
     @classmethod
     def for_device(cls, device: torch.device, named_state, strict: bool = False) -> "RegionGraphs":
@@ -547,10 +561,15 @@ class RegionGraphs:
                 f"nor compare it. Move the write out of the region, or take the name out of written_outside_regions "
                 f"(python -m perf.tools.memory then prices its copies).")
 
+    def _report(self, verb: str, slot, n: int, seconds: float, compiled: int) -> None:
+        if self.progress is not None:
+            self.progress(progress_line(verb, *slot, n, self.planned, seconds, compiled))
+
     def _warm_up(self, slot, fn: Callable):
         """The key's first call, eager (on the side stream on CUDA, as capture needs); notes the
         state it writes (fingerprints of the checked state before and after; the excluded state's
         marks, `_guard`)."""
+        began, graphs_before = time.perf_counter(), _compiled_graphs()
         named, excluded = self._split(self.named_state())
         before = state_fingerprints(named)
         marks = _excluded_marks(excluded)
@@ -566,9 +585,12 @@ class RegionGraphs:
         after = state_fingerprints(named)
         born = {n for n, _ in self._split(self.named_state())[0]} - {n for n, _ in named}  # first .grads
         self.warmed[slot] = born | {n for n, _ in named if n in before and not torch.equal(before[n], after[n])}
+        # torch.equal above waited for the device: the seconds are the call's, compiles included
+        self._report("warmed up", slot, len(self.warmed), time.perf_counter() - began, _compiled_graphs() - graphs_before)
         return out
 
     def _capture(self, region: str, key, fn: Callable):
+        began = time.perf_counter()
         names = self.warmed[(region, key)]
         checked, excluded = self._split(self.named_state())
         written = [(n, t) for n, t in checked if n in names]
@@ -604,8 +626,9 @@ class RegionGraphs:
         restore()
         eager_out = fn()
         self._guard(region, key, marks)
-        self._check(region, key, written, graphed, _flat_tensors(eager_out), graphed_out)
+        self._check(region, key, written, graphed, _flat_tensors(eager_out), graphed_out)  # reads on host: waited
         self.graphs[(region, key)] = Captured(graph, outputs)
+        self._report("captured", (region, key), len(self.graphs), time.perf_counter() - began, compiled)
         return eager_out
 
     def _check(self, region, key, written, graphed, eager_out, graphed_out) -> None:

@@ -41,8 +41,9 @@ from optim.schedule import StepSettings
 from perf.backend import current as current_backend, use_backend
 from perf.tools.capture_cost import capture_check_cost, format_capture_check
 from perf.host_table import H100_MEMORY_BYTES, choose_placement
-from perf.checks.meta_rank import (GIB, PORTABLE_BACKEND, RankOnMeta, build_rank_on_meta, flash_attention_standin, geometries,
-                            gib, meta_step, nbytes, storage_key, tensor_fields)
+from perf.checks.meta_rank import (GIB, PORTABLE_BACKEND, RankOnMeta, build_rank_on_meta, each_with_progress,
+                                   flash_attention_standin, geometries, gib, meta_step, nbytes, print_progress,
+                                   storage_key, tensor_fields)
 
 
 # ================================================================================================
@@ -308,10 +309,11 @@ class MemoryReport:
         return self.static_bytes + self.worst.total
 
 
-def memory_report(cfg: RunConfig, world_size: int) -> MemoryReport:
+def memory_report(cfg: RunConfig, world_size: int, progress=None) -> MemoryReport:
+    """progress: a line per geometry measured (main: on stderr)."""
     rank = build_rank_on_meta(cfg, world_size)
-    return MemoryReport(rank, static_items(rank),
-                        [step_memory(rank, s, steps) for s, steps in geometries(rank.schedule)])
+    each = each_with_progress(geometries(rank.schedule), lambda g: f"memory: geometry at step {g[0].step}", progress)
+    return MemoryReport(rank, static_items(rank), [step_memory(rank, s, steps) for s, steps in each])
 
 
 def format_memory(report: MemoryReport, top: int = 6, capture: str | None = None) -> str:
@@ -379,7 +381,7 @@ def main(argv=None) -> None:
                                              "batches by gradient accumulation",
                              ranks_of=lambda name: RUN_PRESETS[name].virtual_world_size)
     cfg = args.run_config  # the preset, --set applied (e.g. --set features.ngram=false)
-    report = memory_report(cfg, args.world_size or cfg.virtual_world_size)
+    report = memory_report(cfg, args.world_size or cfg.virtual_world_size, progress=print_progress)
     print(format_memory(report, capture=format_capture_check(capture_check_cost(report.rank))))
 
 

@@ -2,12 +2,14 @@
 TapeGraph replays a region's recorded aten ops with a graph's semantics (tensors from outside by
 storage, Python scalars as recorded, no Python run), so a region that a CUDA graph would replay
 wrongly trains differently here too."""
+import re
 import textwrap
 
 import pytest
 import torch
 
-from perf.cuda_graphs.capture import CudaGraph, ExcludedStateWritten, GraphMismatch, RegionGraphs, TapeGraph
+from perf.cuda_graphs.capture import (CudaGraph, ExcludedStateWritten, GraphMismatch, RegionGraphs, TapeGraph,
+                                      progress_line)
 from perf.tools.capture_cost import KeyCheckCost
 
 
@@ -407,3 +409,19 @@ def test_warmup_plan_visits_every_repeated_key_twice(preset):
         assert set(training.warmup_steps(schedule, None, horizon)) <= set(steps)
     # the tied phase ends after the split step, as the run unties there
     assert manager.phase_at(schedule.split_step).tied and not manager.phase_at(schedule.split_step + 1).tied
+
+
+def test_the_warmup_names_each_warm_up_and_capture_as_it_goes():
+    """A line per graph, in order: each key's warm-up, then its capture, n of the planned keys
+    (training.Run.warmup gives the plan and the log); replays after that say nothing."""
+    lines, state = [], torch.zeros(3)
+    graphs = RegionGraphs(TapeGraph, lambda: [("state", state)], progress=lines.append, planned=2)
+    for _ in range(3):
+        graphs.run("forward_backward", (1024, 896), lambda: state.add_(1))
+        graphs.run("optimizer", "p", lambda: state.mul_(2))
+    pattern = re.compile(r"^warmup: (warmed up|captured) (\w+) (.+) (\d)/2 in \d+\.\d s$")
+    assert [pattern.match(line).groups() for line in lines] == [
+        ("warmed up", "forward_backward", "(1024, 896)", "1"), ("warmed up", "optimizer", "'p'", "2"),
+        ("captured", "forward_backward", "(1024, 896)", "1"), ("captured", "optimizer", "'p'", "2")]
+    assert progress_line("captured", "forward_backward", (49152, 2048), 3, 0, 12.44, compiled=1) == \
+        "warmup: captured forward_backward (49152, 2048) 3/? in 12.4 s, compiled 1 graph"

@@ -58,7 +58,8 @@ with open(log, "w") as f:
     f.write(f"step:{{n}}/{{n}} val_loss:{{loss:.4f}} train_time:{{ms}}ms step_avg:{{ms / n:.2f}}ms\n")
 rec = dict(run_id=run_id, started=datetime.datetime.now().isoformat(), config="fake", world_size=1,
            device="fake device", git_commit=commit, git_dirty=False, status="finished", log_path=log,
-           label=args.label, overrides=args.assignments or None, steps=n, train_time_ms=float(ms), val_loss=loss)
+           label=args.label, overrides=args.assignments or None, steps=n, train_time_ms=float(ms), val_loss=loss,
+           train_curve=[[s, ms * s / n, 10.0 - s] for s in range(1, n + 1)])
 with open(runs, "a") as f:
     f.write(json.dumps(rec) + "\n")
 print("fake run done", run_id)
@@ -169,6 +170,10 @@ def test_interleaved_runs_statistics_match_report_and_standalone_script(toy, mon
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert imported <= set(sys.stdlib_module_names) | {"scipy"}, imported  # nothing of this repository
     assert "python -m records.certify --baseline " + commits["baseline"] in (out / "README.md").read_text()
+    # the curves picture: written, shown in both pages, one training curve per finished run
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for page in (md, (out / "README.md").read_text()):
+        assert "](curves.png)" in page and "6 training curve(s) of 6 finished run(s)" in page
 
     assert _certify(repo, monkeypatch, commits["baseline"], commits["fast"], out) == 2  # no silent overwrite
     assert "--resume" in capsys.readouterr().err

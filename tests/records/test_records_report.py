@@ -161,3 +161,67 @@ def test_evaluation_lines_are_not_counted_as_runs(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "not finished" not in err
     assert re.search(r"^\| record \| 2 \|", out, re.M), out
+
+
+def _curve_runs(tmp_path):
+    """runs.jsonl for --curves: label a (two runs with a training curve, one of them with a log of
+    two validations), label b (one with a curve, one older line without the field), and a failed
+    run with a curve, which the report leaves out."""
+    log = tmp_path / "a0.txt"
+    log.write_text("\n".join([format_val_line(0, 4, 10.8, 0.0), "step:2/4 train_loss:9.1000",
+                              format_val_line(4, 4, 8.5, 4000.0)]))
+    curve = lambda k: [[s, 1000.0 * s + k, 10.0 - s - k / 10] for s in (1, 2, 3, 4)]
+    runs = [dict(run_id="a0", label="a", train_curve=curve(0), log_path=str(log)),
+            dict(run_id="a1", label="a", train_curve=curve(1)),
+            dict(run_id="b0", label="b", train_curve=curve(2)),
+            dict(run_id="b-old", label="b"),
+            dict(run_id="f", label="a", status="failed", train_curve=curve(3))]
+    path = tmp_path / "runs.jsonl"
+    with open(path, "w") as f:
+        for r in runs:
+            f.write(json.dumps({"config": "smoke", "status": "finished", "val_loss": 8.5, "train_time_ms": 4000.0,
+                                **r}) + "\n")
+    return path, curve
+
+
+def test_curves_draw_one_training_line_per_run_and_val_where_a_run_validated_twice(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    runs, curve = _curve_runs(tmp_path)
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig) or close(fig))
+    out = tmp_path / "curves.png"
+    assert report.main(["--runs", str(runs), "--group-by", "label", "--curves", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "curves written to" in capsys.readouterr().out and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["a0.txt", "curves.png", "runs.jsonl"]  # the temp file was renamed into place
+    (fig,) = figures
+    by_step, by_time = fig.axes
+    for ax, x_of in ((by_step, lambda p: p[0]), (by_time, lambda p: p[1] / 1000)):
+        lines = {line.get_gid(): line for line in ax.get_lines()}
+        assert sorted(lines) == ["target", "train a0", "train a1", "train b0", "val a0"]
+        for k, run_id in enumerate(("a0", "a1", "b0")):  # each run's own points, from runs.jsonl
+            line = lines[f"train {run_id}"]
+            assert list(line.get_xdata()) == [x_of(p) for p in curve(k)]
+            assert list(line.get_ydata()) == [p[2] for p in curve(k)]
+        assert list(lines["val a0"].get_ydata()) == [10.8, 8.5]  # the log's val lines
+        assert list(lines["target"].get_ydata()) == [3.28, 3.28]
+        # one colour per group
+        assert lines["train a0"].get_color() == lines["train a1"].get_color() == lines["val a0"].get_color()
+        assert lines["train b0"].get_color() != lines["train a0"].get_color()
+    assert list(by_time.get_lines()[3].get_xdata()) != list(by_step.get_lines()[3].get_xdata())
+
+
+def test_curves_svg_by_suffix_a_bad_suffix_named_and_no_matplotlib_said(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    runs, _ = _curve_runs(tmp_path)
+    drawn = report.plot_curves({"a": [json.loads(line) for line in runs.read_text().splitlines()[:2]]},
+                               tmp_path / "c.svg")
+    assert drawn == {"step": ["train a0", "val a0", "train a1"], "training time (s)": ["train a0", "val a0", "train a1"]}
+    assert "<svg" in (tmp_path / "c.svg").read_text()
+    assert report.main(["--runs", str(runs), "--curves", str(tmp_path / "c.jpg")]) == 2
+    assert "--curves" in capsys.readouterr().err and not (tmp_path / "c.jpg").exists()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert report.main(["--runs", str(runs), "--curves", str(tmp_path / "n.png")]) == 0
+    assert "pip install matplotlib" in capsys.readouterr().err and not (tmp_path / "n.png").exists()

@@ -1,4 +1,6 @@
 """The run log: full source capture, git and environment header, upstream line formats."""
+import re
+
 import pytest
 
 from records.run_log import (_STEP_RE, REPO_ROOT, RunLog, format_peak_memory_line, format_step_line,
@@ -71,3 +73,33 @@ def test_refuses_to_overwrite(tmp_path):
     RunLog("dup", logs_dir=tmp_path, console=False).close()
     with pytest.raises(FileExistsError, match="dup.txt"):
         RunLog("dup", logs_dir=tmp_path, console=False)
+
+
+def test_a_record_log_with_training_loss_lines_still_parses_with_upstream_patterns(tmp_path):
+    """The curve points (`step:s/N train_loss:x`, perf/loss_watch.py) sit among a record log's lines;
+    upstream's patterns (unanchored searches, as its scripts run them: hand-written here) and ours
+    read the step, val and memory lines as before, and ours reads the points too."""
+    from records.run_log import format_train_loss_line
+
+    with RunLog("record-format", logs_dir=tmp_path, console=False) as log:
+        log.print0(format_val_line(0, 1194, 10.8258, 0.0))
+        for step in (25, 50):
+            log.print0(format_step_line(step, 1194, step * 33.4, 8.0e6, 0.31, 0.2))
+            log.print0(format_train_loss_line(step, 1194, 4.0 + 1 / step))  # read after its step line
+        log.print0(format_val_line(1194, 1194, 3.27741, 39846.2))
+        log.print0(format_peak_memory_line(53424, 65224))
+    text = (tmp_path / "record-format.txt").read_text()
+    assert format_train_loss_line(25, 1194, 4.04) == "step:25/1194 train_loss:4.0400"
+
+    run_lines = text[text.index("step:0/1194"):].splitlines()
+    upstream_val = re.compile(r"step:(\d+)/(\d+) val_loss:([\d.]+) train_time:(\d+)ms")
+    upstream_step = re.compile(r"step:(\d+)/(\d+) train_time:(\d+)ms step_avg:([\d.]+)ms")
+    assert [m.groups() for m in map(upstream_val.search, run_lines) if m] == \
+        [("0", "1194", "10.8258", "0"), ("1194", "1194", "3.2774", "39846")]
+    assert [m.groups()[:3] for m in map(upstream_step.search, run_lines) if m] == \
+        [("25", "1194", "835"), ("50", "1194", "1670")]
+    parsed = parse_log(text)
+    assert parsed.steps == [(25, 1194, 835), (50, 1194, 1670)]
+    assert parsed.vals == [(0, 1194, 10.8258, 0), (1194, 1194, 3.2774, 39846)]
+    assert parsed.peak_memory_mib == (53424, 65224)
+    assert parsed.train_losses == [(25, 1194, 4.04), (50, 1194, 4.02)]

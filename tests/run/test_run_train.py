@@ -357,9 +357,9 @@ def _sync_in_loss_watch(monkeypatch):
 
     original = LossWatch.observe
 
-    def observe(self, step, loss_sum, tokens):  # the NaN check of a logging step (every step on CPU)
+    def observe(self, step, loss_sum, *rest):  # the NaN check of a logging step (every step on CPU)
         bool(loss_sum.isnan())  # INJECTED SYNC loss watch
-        return original(self, step, loss_sum, tokens)
+        return original(self, step, loss_sum, *rest)
 
     monkeypatch.setattr(LossWatch, "observe", observe)
 
@@ -437,3 +437,75 @@ def test_a_compiled_run_whose_warmup_compiled_nothing_stops_before_the_clock(tmp
                             "--max-steps", "1", "--val-tokens", "2048", "--seed", "0"])
     (entry,) = _runs(tmp_path)
     assert entry["status"] == "failed" and not entry["steps"]  # stopped before the first timed step
+
+
+# ---- what an experimenter sees: curves and progress (issue 40) -------------------------------------
+
+
+def test_two_smoke_runs_give_one_training_curve_each_in_the_report(tmp_path, shards, capsys, monkeypatch):
+    """Two short runs, one reading its loss every step (--log-train-loss, the smoke preset's default),
+    one through the loss watch (no sync): each logs its points, runs.jsonl keeps them, and the
+    report's --curves draws one training curve per run. The progress bar goes to stderr only."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from records import report
+
+    _main(tmp_path, "--data-path", str(shards), "--max-steps", "2", "--label", "every-step")
+    out = capsys.readouterr()
+    _main(tmp_path, "--data-path", str(shards), "--max-steps", "2", "--label", "watch", "--set", "log_train_loss=false")
+    out_watch = capsys.readouterr()
+    runs = _runs(tmp_path)
+    assert [r["status"] for r in runs] == ["finished", "finished"]
+    for r, console in zip(runs, (out, out_watch)):
+        curve = r["train_curve"]
+        assert [p[0] for p in curve] == [1, 2] and curve[0][1] < curve[1][1]
+        log = open(r["log_path"]).read()
+        assert _train_losses(r["log_path"]) == [round(p[2], 4) for p in curve]  # one line per point, not two
+        assert len(re.findall(r"^step:\d+/70 train_loss:", console.out, re.M)) == 2  # CPU: the console too
+        bar = re.compile(r"training: +\d+%\|")  # tqdm's bar (the log holds this file's source: a pattern)
+        assert bar.search(console.err) and ("step/s" in console.err or "s/step" in console.err)
+        assert not bar.search(console.out) and not bar.search(log)
+    assert runs[0]["train_curve"] == [[s, ms, loss] for (s, ms, _), loss in zip(runs[0]["train_curve"],
+                                                                                 runs[0]["train_losses"])]
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig) or close(fig))
+    png = tmp_path / "out.png"
+    assert report.main(["--runs", str(tmp_path / "runs.jsonl"), "--group-by", "label", "--curves", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for ax in figures[0].axes:
+        assert sorted(line.get_gid() for line in ax.get_lines()) == \
+            sorted(["target"] + [f"train {r['run_id']}" for r in runs])
+
+
+def test_the_progress_bar_stays_out_of_a_record_runs_console():
+    from config import RUN_PRESETS
+
+    class Rank0:
+        is_master = True
+
+    assert isinstance(train_gpt.progress_bar(RUN_PRESETS["record"], Rank0(), 1194, None), train_gpt._NoBar)
+    assert not isinstance(train_gpt.progress_bar(RUN_PRESETS["smoke"], Rank0(), 70, None), train_gpt._NoBar)
+
+
+@pytest.mark.slow
+def test_a_compiled_warmup_names_each_graph_it_compiles(tmp_path, shards):
+    """SPEEDRUN_COMPILE=1 with aot_eager: one progress line per graph compiled in the warmup (n of
+    the plan's N), and as many lines as dynamo's own count of the warmup's graphs."""
+    from perf import backend as perf_backend
+
+    torch._dynamo.reset()
+    try:
+        with perf_backend.use_backend(compile=True, compile_backend="aot_eager", host_checks=False):
+            train_gpt.main(["--config", "smoke", "--records-dir", str(tmp_path), "--data-path", str(shards),
+                            "--max-steps", "2", "--val-every", "0", "--val-tokens", "2048", "--seed", "0"])
+    finally:
+        torch._dynamo.reset()
+    (entry,) = _runs(tmp_path)
+    log = open(entry["log_path"]).read()
+    lines = re.findall(r"^warmup: compiled (.+) (\d+)/(\d+)( \(\d+ graphs\))? in \d+\.\d s$", log, re.M)
+    warmup_graphs = int(re.search(r"^compiled graphs: warmup (\d+), timed 0$", log, re.M)[1])
+    assert len(lines) == warmup_graphs == 2, log[-3000:]  # the first geometry's step, the final validation
+    assert [(n, total, more) for _, n, total, more in lines] == [("1", "2", ""), ("2", "2", "")]
+    assert lines[0][0].startswith("forward_backward (") and lines[0][0].endswith(" at step 0")
+    assert lines[1][0].startswith("final validation (")
