@@ -230,7 +230,8 @@ def test_row_sparse_adam_matches_dense_every_event_adam():
     0, at most 8.3e-7 over seeds 0-4; the bound is about (k + 1) * 2^-24 for k missed events).
     Each event's parameters, from the same parameters before it, are at most one bf16 ulp from
     the dense ones, rarely (a v one rounding off moves p - u across a bf16 rounding boundary:
-    none at seeds 0-1, at most 1 of the 3,200 entries in an event at seeds 2-4).
+    none at seeds 0-1, at most 1 of the 3,200 entries in an event at seeds 2-4), plus, where p - u
+    cancels to far below p, v's relative error times |p|.
     Rows touched at every event replay nothing (a factor of exactly 1) and stay bitwise dense.
     The replay table starts with room for 8 events and grows."""
     torch.manual_seed(0)
@@ -260,7 +261,12 @@ def test_row_sparse_adam_matches_dense_every_event_adam():
         worst = max(worst, ((lazy - dense_v).abs()[seen] / dense_v[seen]).max().item())
         assert torch.equal(lazy[:10], dense_v[:10]) and torch.equal(shard[:10], dense_p[:10]), event
         ulp = torch.exp2((torch.frexp(dense_p.float())[1] - 8).float()) * (dense_p != 0)  # one bf16 ulp
-        assert ((shard.float() - dense_p.float()).abs() <= ulp).all(), event
+        # plus the update's own error where p - u cancels: the lazy v's relative 1e-6 (asserted below)
+        # times |p|, the size of what cancels (measured: event 131, row 170, col 13 goes from -0.367 to
+        # 3.13e-6 dense, 3.16e-6 lazy: 2 ulps of the result, 0.08 of this term; on CPUs whose randn draws
+        # this case)
+        cancel = 1e-6 * before.float().abs()
+        assert ((shard.float() - dense_p.float()).abs() <= ulp + cancel).all(), event
     assert worst < 1e-6, worst
     assert state.events == 382 and state.log_beta2_sum.numel() >= 383
 

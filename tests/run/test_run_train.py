@@ -111,17 +111,23 @@ def _three_steps_in_process(shards, records, overlap: str, *extra) -> tuple[dict
     """THREE_STEPS in this process with the backend a fresh process started with
     SPEEDRUN_OVERLAP=`overlap` detects: (runs.jsonl entry, records dir). With WORLD_SIZE unset,
     train_gpt.main runs what `torchrun --nproc_per_node=1` runs (no process group either way),
-    without its process and torch start-up. Module fixtures run before `single_thread`, so on the
-    default intra-op threads: the final validation's large products use both cores (one run: 14 s
-    on 2 threads, 21 s on 1; the logged losses and the val loss are bitwise the same, measured)."""
+    without its process and torch start-up. On one intra-op thread, as torchrun's processes run
+    (OMP_NUM_THREADS=1): module fixtures run before `single_thread`, and on 2 threads this CPU
+    (2026-12-03) rounds the second step's loss differently (12.424768 against 12.424812 on 1 thread
+    and on 2 gloo ranks), which an earlier machine did not."""
     from dataclasses import asdict
 
     from perf import backend as perf_backend
 
     backend = perf_backend.detect(env={**os.environ, "SPEEDRUN_OVERLAP": overlap})
-    with perf_backend.use_backend(**asdict(backend)):
-        train_gpt.main(["--config", "smoke", "--data-path", str(shards), *THREE_STEPS, *extra,
-                        "--records-dir", str(records)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with perf_backend.use_backend(**asdict(backend)):
+            train_gpt.main(["--config", "smoke", "--data-path", str(shards), *THREE_STEPS, *extra,
+                            "--records-dir", str(records)])
+    finally:
+        torch.set_num_threads(threads)
     (entry,) = _runs(records)
     return entry, records
 
