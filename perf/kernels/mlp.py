@@ -211,7 +211,10 @@ def _round_to_grid(v, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr)
     MAGIC: tl.constexpr = 2.0 ** (MIN_NORMAL_EXP - MANTISSA_BITS + 23)
     magnitude = tl.abs(v)
     subnormal = (magnitude + MAGIC) - MAGIC
-    subnormal = tl.where(v < 0, -subnormal, subnormal)
+    # torch 2.10 / Triton 3.6: unary minus on floats is 0 − x, so −(+0) is +0 and a tiny negative v
+    # (rounded to zero) lost its sign (e4m3 0x00 where torch writes 0x80); Triton 3.8 negates (fneg).
+    # A product with −1 flips the sign bit exactly, zero included, on both.
+    subnormal = tl.where(v < 0, subnormal * -1.0, subnormal)
     return tl.where(magnitude < 2.0 ** MIN_NORMAL_EXP, subnormal, normal)
 
 
