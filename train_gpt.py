@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import gc
 import resource
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -44,7 +43,8 @@ from perf.loss_watch import LossWatch
 from perf.checks.cost import RunCost, device_peak, schedule_cost
 from perf.checks.preflight import check_node
 from perf.checks.sync_check import host_side, sync_check
-from records.run_log import format_peak_memory_line, format_step_line, format_train_loss_line, format_val_line
+from records.run_log import (format_peak_memory_line, format_step_line, format_train_loss_line, format_val_line,
+                             progress_bar)
 from records.run_record import RunRecorder, check_finite
 from training import CheckpointError, Run, Setup, load_checkpoint, save_checkpoint
 
@@ -156,41 +156,11 @@ def garbage_collector_paused():
         gc.unfreeze()
 
 
-class _NoBar:
-    """The progress bar of a run that shows none: every call a no-op."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def update(self) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _bar(steps: int, log):
-    """tqdm over the timed steps on stderr: steps/s and an ETA. The log's console lines go through
-    tqdm.write meanwhile (stdout, the bar cleared and redrawn around them, so neither garbles the
-    other); the log file never sees the bar."""
-    from tqdm import tqdm
-
-    with tqdm(total=steps, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True) as bar:
-        echo, log.echo = log.echo, lambda line: tqdm.write(line, file=sys.stdout)
-        try:
-            yield bar
-        finally:
-            log.echo = echo
-
-
-def progress_bar(cfg: RunConfig, setup: Setup, steps: int, log):
-    """The console's progress bar over the timed steps, on rank 0 of a run that is not a record. A
+def shows_progress_bar(cfg: RunConfig, setup: Setup) -> bool:
+    """The console's progress bar over the timed steps: rank 0 of a run that is not a record. A
     record's console (cfg.name == "record", or a preset that requires the fast path) keeps
     upstream's lines alone."""
-    if cfg.name == "record" or cfg.requires_fast_path or not setup.is_master:
-        return _NoBar()
-    return _bar(steps, log)
+    return setup.is_master and not (cfg.name == "record" or cfg.requires_fast_path)
 
 
 def run_cost(cfg: RunConfig, setup: Setup, schedule: TrainingSchedule, log) -> RunCost:
@@ -366,7 +336,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         loss_watch = LossWatch(setup.device, setup.world_size, on_read=lambda done, ms, loss: log.print0(
             format_train_loss_line(done, n, loss), console=setup.device.type == "cpu"))
         rec.record.train_curve = loss_watch.curve
-        with garbage_collector_paused(), progress_bar(cfg, setup, steps, log) as bar:  # record #360: no
+        with garbage_collector_paused(), progress_bar(steps, log, shows_progress_bar(cfg, setup)) as bar:  # record #360: no
             # collection pauses inside the timed loop
             for step in range(steps):
                 if cfg.val_every and step % cfg.val_every == 0:  # intermediate validation: off the clock

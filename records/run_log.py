@@ -14,6 +14,7 @@ On ranks other than 0 the log is disabled and every method is a no-op, so call s
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import platform
 import re
@@ -248,3 +249,28 @@ class RunLog:
         if exc_type is not None:
             self.print0("".join(traceback.format_exception(exc_type, exc, tb)).rstrip())
         self.close()
+
+
+class _NoBar:
+    """The progress bar of a run that shows none."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def progress_bar(steps: int, log: "RunLog", show: bool = True):
+    """tqdm over the timed steps on stderr: steps/s and an ETA (show=False: a bar that draws
+    nothing). The log's console lines go through tqdm.write meanwhile (stdout, the bar cleared and
+    redrawn around them, so neither garbles the other); the log file never sees the bar."""
+    if not show:
+        yield _NoBar()
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=steps, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True) as bar:
+        echo, log.echo = log.echo, lambda line: tqdm.write(line, file=sys.stdout)
+        try:
+            yield bar
+        finally:
+            log.echo = echo

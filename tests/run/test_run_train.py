@@ -490,8 +490,13 @@ def test_the_progress_bar_stays_out_of_a_record_runs_console():
     class Rank0:
         is_master = True
 
-    assert isinstance(train_gpt.progress_bar(RUN_PRESETS["record"], Rank0(), 1194, None), train_gpt._NoBar)
-    assert not isinstance(train_gpt.progress_bar(RUN_PRESETS["smoke"], Rank0(), 70, None), train_gpt._NoBar)
+    class Rank1:
+        is_master = False
+
+    assert not train_gpt.shows_progress_bar(RUN_PRESETS["record"], Rank0())
+    assert train_gpt.shows_progress_bar(RUN_PRESETS["recipe"], Rank0())  # one GPU, minutes: not a record
+    assert train_gpt.shows_progress_bar(RUN_PRESETS["smoke"], Rank0())
+    assert not train_gpt.shows_progress_bar(RUN_PRESETS["smoke"], Rank1())
 
 
 @pytest.mark.slow
