@@ -96,9 +96,16 @@ def _main(*args):
         return results
 
     out, err = io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        mp.setattr(evaluate.CheckpointModel, "loglikelihood", loglikelihood)
-        evaluate.main([str(a) for a in args])
+    # one intra-op thread, as torchrun's processes (module fixtures run before `single_thread`; on 2
+    # threads this CPU rounds a log-likelihood differently from the 2-rank run, 2026-12-03)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            mp.setattr(evaluate.CheckpointModel, "loglikelihood", loglikelihood)
+            evaluate.main([str(a) for a in args])
+    finally:
+        torch.set_num_threads(threads)
     return out.getvalue(), err.getvalue(), scored
 
 
