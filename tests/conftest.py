@@ -107,48 +107,22 @@ def synthetic_shards(tmp_path_factory) -> Path:
     return out
 
 
-# ---- the SM90 cross-compile of one smoke geometry, started early on the idle core -----------------
+# ---- long subprocess runs, started at collection on the idle core (tests/background.py) -------------
 # Most tests run one thread (`single_thread` above), so one of CI's two cores idles for most of the
-# session. The slowest single test, cross-compiling a smoke training geometry for SM90 (about 3 min
-# alone), starts in the background as soon as collection selects it, with one compile process, and
-# its test (tests/perf/test_perf_cross_compile.py) later only waits for it and reads its output.
-CROSS_COMPILE_SMOKE_ARGS = ("--config", "smoke", "--steps", "0", "--no-validation", "--jobs", "1")
-_CROSS_COMPILE_TEST = "test_a_smoke_training_geometry_compiles_for_sm90_forward_and_backward"
-_cross_compile_run: dict = {}
-
-
-def _start_cross_compile(out_dir: Path) -> None:
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # Triton must compile
-    out, err = open(out_dir / "stdout.txt", "w+"), open(out_dir / "stderr.txt", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "perf.tools.cross_compile", *CROSS_COMPILE_SMOKE_ARGS], cwd=REPO_ROOT,
-                            env=env, stdout=out, stderr=err, text=True)
-    _cross_compile_run.update(proc=proc, out=out, err=err)
+# session. The tests whose proof is a long subprocess (gpu_check's dry run, the SM90 cross-compile of a
+# smoke geometry, the 2-rank smoke acceptance run) register it at import; once collection has selected
+# one of them, its run starts in the background, queued in test order, one at a time, and the test
+# later waits for it (or runs it itself when the queue has not reached it).
 
 
 def pytest_collection_finish(session):
-    if any(item.name == _CROSS_COMPILE_TEST for item in session.items):
-        import tempfile
+    from tests import background
 
-        _start_cross_compile(Path(tempfile.mkdtemp(prefix="speedrun_cross_compile_test_")))
+    if not session.config.option.collectonly:
+        background.queue(session.items)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    proc = _cross_compile_run.get("proc")
-    if proc is not None and proc.poll() is None:  # the test was interrupted or never ran
-        proc.kill()
-        proc.wait()
+    from tests import background
 
-
-@pytest.fixture(scope="session")
-def smoke_cross_compile(tmp_path_factory):
-    """(exit code, stdout, stderr) of `python -m perf.tools.cross_compile` on one smoke training geometry."""
-    if "proc" not in _cross_compile_run:  # not started at collection (e.g. selected by a plugin later)
-        _start_cross_compile(tmp_path_factory.mktemp("cross_compile"))
-    proc, out, err = _cross_compile_run["proc"], _cross_compile_run["out"], _cross_compile_run["err"]
-    code = proc.wait(timeout=1800)
-    out.seek(0)
-    err.seek(0)
-    return code, out.read(), err.read()
+    background.stop()

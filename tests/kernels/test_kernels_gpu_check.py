@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from perf import gpu_check as gc
+from tests import background
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# the dry run (every check in Triton's interpreter, about 75 s alone) starts in the background as soon as
+# collection selects its test (tests/background.py); the test reads what it wrote
+background.register("gpu_check_dry_run", __file__, ("test_dry_run_writes_results",),
+                    lambda folder: [[sys.executable, "perf/gpu_check.py", "--dry-run", "--out", str(folder / "out")]],
+                    timeout_s=900)
 
 
 def test_ulp_distance_hand_numbers():
@@ -50,11 +56,11 @@ def test_results_row_ratio_and_table():
 
 
 @pytest.mark.triton
-def test_dry_run_writes_results(tmp_path):
-    proc = subprocess.run([sys.executable, "perf/gpu_check.py", "--dry-run", "--out", str(tmp_path)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    payload = json.loads((tmp_path / "results.json").read_text())
+def test_dry_run_writes_results():
+    code, stdout, stderr, folder = background.result("gpu_check_dry_run")  # perf/gpu_check.py --dry-run --out folder/out
+    assert code == 0, stdout + stderr
+    out = folder / "out"
+    payload = json.loads((out / "results.json").read_text())
     assert payload["dry_run"] and payload["all_passed"]
     env = payload["environment"]
     assert env["device"].startswith("CPU") and env["torch"] == torch.__version__ and env["triton"]
@@ -69,10 +75,10 @@ def test_dry_run_writes_results(tmp_path):
     assert [r["case"].split(":")[0] for r in sanitized] == ["smoke", "host table"]
     assert all(r["note"].startswith("dry run: train_gpt.py --config smoke --max-steps 1") for r in sanitized)
     assert sanitized[1]["note"].endswith("--set ngram_table=host")
-    md = (tmp_path / "results.md").read_text()
+    md = (out / "results.md").read_text()
     assert f"torch {torch.__version__}" in md and "| check | case | parity |" in md
     assert md.count("| yes |") == len(payload["results"])
-    assert f"torch {torch.__version__}" in proc.stdout.splitlines()[0]  # the printed table's header
+    assert f"torch {torch.__version__}" in stdout.splitlines()[0]  # the printed table's header
 
 
 def test_only_with_no_match_is_an_error(tmp_path):
