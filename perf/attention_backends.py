@@ -230,12 +230,16 @@ def verify_fa3_binary(package_dir: Path, expected_sha256: str = FA3_BINARY_SHA25
     return binaries[0]
 
 
-def fa3_variant(torch_version: str | None = None, cuda_version: str | None = None, machine: str | None = None) -> str:
-    """The kernels-hub build variant this torch loads, e.g. torch210-cxx11-cu128-x86_64-linux (record #360's)."""
+_THIS_TORCH = object()  # fa3_variant's default: this process's torch (None is "no CUDA", a CPU build)
+
+
+def fa3_variant(torch_version: str | None = None, cuda_version=_THIS_TORCH, machine: str | None = None) -> str:
+    """The kernels-hub build variant a torch loads, e.g. torch210-cxx11-cu128-x86_64-linux (record #360's);
+    by default this process's torch. cuda_version: torch.version.cuda, None for a CPU build."""
     import platform
 
     torch_version = torch_version if torch_version is not None else torch.__version__
-    cuda_version = cuda_version if cuda_version is not None else (torch.version.cuda or "")
+    cuda_version = (torch.version.cuda if cuda_version is _THIS_TORCH else cuda_version) or ""
     major, minor = torch_version.split("+")[0].split(".")[:2]
     accel = "cu" + cuda_version.replace(".", "")[:3] if cuda_version else "cpu"
     return f"torch{major}{minor}-cxx11-{accel}-{machine or platform.machine()}-linux"

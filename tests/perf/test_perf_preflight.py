@@ -6,6 +6,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+import torch
 
 from config import RUN_PRESETS
 from perf.checks import preflight as pf
@@ -163,8 +164,9 @@ def test_cheap_checks_on_this_cpu_machine(tmp_path):
     assert "fa3" not in names and "nccl" not in names and "triton" not in names  # nothing launched
     failed = {r.name for r in rows if r.status == pf.FAIL}
     assert "data" in failed
-    if shutil.which("nvidia-smi") is None:  # this CPU machine: no GPU, a CPU torch
-        assert {"torch", "gpus", "driver"} <= failed
+    if shutil.which("nvidia-smi") is None:  # this CPU machine: no GPU (and a CPU torch, but under
+        assert {"gpus", "driver"} <= failed  # .ci/torch-pin the record's own CUDA build: its check passes)
+        assert ("torch" in failed) == (pf.check_torch(torch.__version__, torch.version.cuda).status == pf.FAIL)
     # the smoke preset needs none of the record's stack: those become warnings
     smoke = pf.cheap_checks(replace(RUN_PRESETS["smoke"], data_path=str(tmp_path)))
     assert {r.name for r in smoke if r.status == pf.FAIL} & set(pf.RECORD_ONLY) == set()
@@ -209,6 +211,7 @@ def test_record_on_this_cpu_machine_fails_with_fixes_and_no_traceback(tmp_path):
     failed = {lines[i].split()[1] for i in fails}
     assert failed >= {"fa3", "triton", "nccl", "data"}  # CUDA_VISIBLE_DEVICES="": no CUDA device
     if shutil.which("nvidia-smi") is None:
-        assert failed >= {"torch", "gpus", "driver"}
+        assert failed >= {"gpus", "driver"}  # and torch unless it is the record's (.ci/torch-pin)
+        assert ("torch" in failed) == (pf.check_torch(torch.__version__, torch.version.cuda).status == pf.FAIL)
     assert all(lines[i + 1].strip().startswith("fix: ") for i in fails)
     assert (tmp_path / "records" / "logs" / "environment.txt").is_file()
