@@ -91,6 +91,7 @@ def test_the_nccl_branch_on_a_fake_group_of_8_ranks_shards_like_one_process():
 
     from config import SCHEDULE_PRESETS
     from optim.adam import EMBED
+    from optim import manager as optim_manager
     from optim.manager import OptimizerManager
     from optim.schedule import TrainingSchedule
     from optim.standin import StandInParams
@@ -105,8 +106,18 @@ def test_the_nccl_branch_on_a_fake_group_of_8_ranks_shards_like_one_process():
         nccl_model, gloo_model = StandInParams.small(seed=0), StandInParams.small(seed=0)
         nccl = OptimizerManager(nccl_model.named_parameters(), sched)
         recorder = CollectiveRecorder(lambda: "step")
-        with recorder:                       # get_backend() is "fake": the NCCL branch
-            _two_steps(nccl, nccl_model)
+        fake_reduce_scatter = optim_manager.reduce_scatter_single
+
+        def identical_ranks(out, full, *args, **kwargs):
+            # every rank holds the same gradient, so the AVG reduce-scatter is this rank's chunk of
+            # it; the fake group writes that itself in torch 2.13, and leaves `out` as allocated
+            # (uninitialized) in torch 2.10, the record's: written here for both
+            work = fake_reduce_scatter(out, full, *args, **kwargs)
+            out.copy_(full.chunk(dist.get_world_size())[rank])
+            return work
+
+        with recorder, mock.patch.object(optim_manager, "reduce_scatter_single", identical_ranks):
+            _two_steps(nccl, nccl_model)         # get_backend() is "fake": the NCCL branch
         gloo = OptimizerManager(gloo_model.named_parameters(), sched)
         with mock.patch.object(dist, "get_backend", lambda group=None: "gloo"):
             _two_steps(gloo, gloo_model)
