@@ -284,7 +284,10 @@ def test_ctrl_c_stops_after_recording_the_interrupted_run(toy, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "records.certify", "--baseline", commits["baseline"],
                              "--candidate", commits["slow"], "--runs", "2", "--nproc", "1", "--out", str(out), "--",
                              "--data-path", "../shards"], cwd=repo, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            # a terminal's SIGINT: in the full suite something in the pytest process leaves
+                            # SIGINT ignored, a child inherits that, and certify then slept through the Ctrl-C
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     console = out / "console" / "02-candidate.txt"
     deadline = time.monotonic() + 180  # hang guards, not timings: a loaded 2-core CI machine took over 60 s
     while not (console.is_file() and "fake trainer sleeping" in console.read_text()):
