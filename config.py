@@ -180,7 +180,14 @@ SCHEDULE_PRESETS = {
     "dev": ScheduleConfig(),   # 1 GPU, same schedule (grad accumulation keeps the global batch)
     "smoke": _smoke_schedule(),
 }
-OPTIM_PRESETS = {"record": OptimConfig(), "dev": OptimConfig(), "smoke": OptimConfig()}
+# smoke: ANVIL's Frobenius margin 1.10 instead of record #360's 1.05. Its 96-wide banks on tiny batches
+# can get a nearly rank-1 update (σ1/||X||_F = 0.9989 at step 34 with --seed 0), whose normalized σ1
+# (0.9989/1.05 = 0.9513) sits a bf16 rounding under the 1/1.05 edge the six maps are built for; past
+# it they blow up (NaN two steps later). With 1.10 the largest normalized σ1 is 1/1.10 = 0.909, and the
+# cascade's output hardly moves: every singular value inside the maps' range ends near 1 either way
+# (docs/data.md, "A divergence it found"). The record and recipe presets keep 1.05.
+OPTIM_PRESETS = {"record": OptimConfig(), "dev": OptimConfig(),
+                 "smoke": OptimConfig(frobenius_margin=1.10)}
 
 
 # ================================================================================================

@@ -807,7 +807,8 @@ GPU_TESTS_TIMEOUT_S = 240  # keeps the whole script inside its 8-minute budget
 @register("gpu_tests")
 def check_gpu_tests(ctx: Context) -> list[Result]:
     """The pytest tests marked `gpu` (skipped in CI) run here; a dry run only collects them."""
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+    # -n 0: in one process (pyproject's -n auto would start a worker per core, each on the one GPU)
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "0"]
     if ctx.dry_run:
         cmd.append("--collect-only")
     t0 = time.perf_counter()

@@ -50,9 +50,50 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
+# pytest-xdist hands whole files to its workers (`--dist loadfile --no-loadscope-reorder`, pyproject.toml),
+# one at a time as a worker runs dry, in collection order. A long file handed out last would run alone
+# at the end while the other core idles, so the longest go first, longest first (seconds: one fresh-clone
+# `.ci/run`'s --durations summed per file, the long subprocess runs of tests/long_runs.py included).
+# A stale order costs only time; a file that no longer exists stops the session.
+LONGEST_FILES_FIRST = (
+    "tests/run/test_run_train.py",                     # the 2-rank smoke acceptance run, 70 steps
+    "tests/perf/test_perf_cross_compile.py",           # SM90 and L40S cross-compiles
+    "tests/model/test_model_compile_record.py",        # the record shapes traced
+    "tests/perf/test_perf_cuda_graphs_contract.py",
+    "tests/perf/test_perf_cuda_graphs_capture.py",
+    "tests/run/test_run_virtual_ranks.py",
+    "tests/kernels/test_kernels_gpu_check.py",         # gpu_check's dry run
+    "tests/perf/test_perf_host_table.py",
+    "tests/records/test_records_certify.py",
+    "tests/optim/test_optim_distributed.py",
+)
+
+
+MAX_WORKERS = 8   # more workers than this mostly repeat each worker's start-up (torch's import, fixtures)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core this process may use, at most MAX_WORKERS."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+def _longest_files_first(items) -> None:
+    rank = {}
+    for i, name in enumerate(LONGEST_FILES_FIRST):
+        if not (REPO_ROOT / name).is_file():
+            raise pytest.UsageError(f"tests/conftest.py: LONGEST_FILES_FIRST names {name}, which does not exist")
+        rank[name] = i
+    def key(item):
+        path = Path(item.path).resolve()
+        name = path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else str(path)
+        return rank.get(name, len(rank))
+    items.sort(key=key)   # stable: each file's tests keep their order
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    _longest_files_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA (run perf/gpu_check.py on a GPU machine)")
@@ -107,22 +148,7 @@ def synthetic_shards(tmp_path_factory) -> Path:
     return out
 
 
-# ---- long subprocess runs, started at collection on the idle core (tests/background.py) -------------
-# Most tests run one thread (`single_thread` above), so one of CI's two cores idles for most of the
-# session. The tests whose proof is a long subprocess (gpu_check's dry run, the SM90 cross-compile of a
-# smoke geometry, the 2-rank smoke acceptance run) register it at import; once collection has selected
-# one of them, its run starts in the background, queued in test order, one at a time, and the test
-# later waits for it (or runs it itself when the queue has not reached it).
-
-
-def pytest_collection_finish(session):
-    from tests import background
-
-    if not session.config.option.collectonly:
-        background.queue(session.items)
-
-
 def pytest_sessionfinish(session, exitstatus):
-    from tests import background
+    from tests import long_runs
 
-    background.stop()
+    long_runs.cleanup()   # the long runs' folders (tests/long_runs.py)

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from perf import gpu_check as gc
-from tests import background
+from tests import long_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# the dry run (every check in Triton's interpreter, about 75 s alone) starts in the background as soon as
-# collection selects its test (tests/background.py); the test reads what it wrote
-background.register("gpu_check_dry_run", __file__, ("test_dry_run_writes_results",),
-                    lambda folder: [[sys.executable, "perf/gpu_check.py", "--dry-run", "--out", str(folder / "out")]],
-                    timeout_s=900)
+# the dry run (every check in Triton's interpreter, about 75 s alone; tests/long_runs.py); the test reads
+# what it wrote
+long_runs.register("gpu_check_dry_run",
+                   lambda folder: [[sys.executable, "perf/gpu_check.py", "--dry-run", "--out", str(folder / "out")]],
+                   timeout_s=900)
 
 
 def test_ulp_distance_hand_numbers():
@@ -57,7 +57,7 @@ def test_results_row_ratio_and_table():
 
 @pytest.mark.triton
 def test_dry_run_writes_results():
-    code, stdout, stderr, folder = background.result("gpu_check_dry_run")  # perf/gpu_check.py --dry-run --out folder/out
+    code, stdout, stderr, folder = long_runs.result("gpu_check_dry_run")  # perf/gpu_check.py --dry-run --out folder/out
     assert code == 0, stdout + stderr
     out = folder / "out"
     payload = json.loads((out / "results.json").read_text())

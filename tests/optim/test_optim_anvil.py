@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from config import SCHEDULE_PRESETS
+from config import OPTIM_PRESETS, SCHEDULE_PRESETS
 from optim.anvil import (ANVIL_MAPS, BankState, BankStepScalars, anvil_cascade, anvil_update,
                          master_weight, rail_settings, store_master_weight)
 from optim.normuon import POLAR_EXPRESS_MAPS, normuon_update, polar_express
@@ -33,6 +33,27 @@ def test_scalar_envelope_in_exact_arithmetic():
     assert out.min() >= 0.9950 and out.max() <= 1.00041
     assert out.min() < 0.9951  # the envelope is tight: the low end is reached
     assert composed_map(np.array([1e-3]), ANVIL_MAPS)[0] < 0.9  # below 3e-3 it is not promised
+
+
+def test_the_smoke_margin_carries_rank_one_updates_that_the_record_margin_blows_up():
+    """Issue 40: the smoke preset's Frobenius margin (config.py). A rank-1 update has σ1 = ||X||_F, so
+    the record's normalization puts σ1 exactly at 1/1.05, the edge of the maps' range, and the edge is
+    a cliff: 0.9513 ends at 1.0001, 0.955 at 1e40 (fp64). bf16 rounding of X / d lands on either side;
+    with the smoke margin, 1/1.10 plus the rounding stays well inside."""
+    assert OPTIM_PRESETS["record"].frobenius_margin == 1.05 and OPTIM_PRESETS["smoke"].frobenius_margin == 1.10
+    assert composed_map(np.float64(0.9513), ANVIL_MAPS) == pytest.approx(1.0, abs=2e-4)
+    assert composed_map(np.float64(0.955), ANVIL_MAPS) > 1e40
+    assert composed_map(np.float64(1 / 1.10 * (1 + 2 ** -7)), ANVIL_MAPS) == pytest.approx(1.0, abs=1e-4)
+    g = torch.Generator()
+    blown = {1.05: 0, 1.10: 0}
+    for seed in range(20):
+        g.manual_seed(seed)
+        x = (torch.randn(2, 96, 1, generator=g) @ torch.randn(2, 1, 96, generator=g)).bfloat16()  # smoke width
+        for margin in blown:
+            top = torch.linalg.svdvals(anvil_cascade(x, margin=margin).float())[:, 0]
+            blown[margin] += int(not (torch.isfinite(top).all() and top.max() <= 1.005))
+    assert blown[1.10] == 0
+    assert blown[1.05] > 0, blown   # measured: 11 of 20 (torch 2.13, CPU)
 
 
 def with_spectrum(shape, seed):

@@ -11,7 +11,7 @@ memory per block). The fast tests check the graph plan, the backend each faked G
 line, the report parsing and the FA3 start-up check (on the CPU, with fake tensors).
 
 Run: pytest tests/perf/test_perf_cross_compile.py -q   (the slow ones: about 5 minutes on 2 cores; in the
-whole suite the smoke geometry compiles in the background from the start, see tests/background.py)
+whole suite the file is among the first handed to a worker: conftest's LONGEST_FILES_FIRST)
 """
 import os
 import re
@@ -26,7 +26,7 @@ from config import RUN_PRESETS, ConfigError
 from perf import attention_backends as ab
 from perf.backend import detect
 from perf.tools.cross_compile import GraphReport, GraphSpec, count_wrapper, failing_op, plan_graphs
-from tests import background
+from tests import long_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CASES = "tests/perf/cross_compile_cases.py"
@@ -45,12 +45,11 @@ def _cross_compile(*args, timeout=1500):
 
 
 # The slowest of these tests (about 3 min alone): one smoke training geometry cross-compiled for SM90 with one
-# compile process, started in the background as soon as collection selects its test (tests/background.py).
+# compile process (tests/long_runs.py).
 CROSS_COMPILE_SMOKE_ARGS = ("--config", "smoke", "--steps", "0", "--no-validation", "--jobs", "1")
-_SMOKE_TEST = "test_a_smoke_training_geometry_compiles_for_sm90_forward_and_backward"
-background.register("smoke_cross_compile", __file__, (_SMOKE_TEST,),
-                    lambda folder: [[sys.executable, "-m", "perf.tools.cross_compile", *CROSS_COMPILE_SMOKE_ARGS]],
-                    env={"TRITON_INTERPRET": None})  # Triton must compile
+long_runs.register("smoke_cross_compile",
+                   lambda folder: [[sys.executable, "-m", "perf.tools.cross_compile", *CROSS_COMPILE_SMOKE_ARGS]],
+                   env={"TRITON_INTERPRET": None})  # Triton must compile
 
 
 def _row(stdout: str, name: str) -> list[str]:
@@ -165,9 +164,8 @@ def test_a_scaled_mm_scale_view_fails_naming_the_op_and_the_opaque_gemm_compiles
 
 @pytest.mark.slow
 def test_a_smoke_training_geometry_compiles_for_sm90_forward_and_backward():
-    """`python -m perf.tools.cross_compile --config smoke --steps 0 --no-validation` (started in the
-    background at collection: tests/background.py)."""
-    code, out, err, _ = background.result("smoke_cross_compile")
+    """`python -m perf.tools.cross_compile --config smoke --steps 0 --no-validation`."""
+    code, out, err, _ = long_runs.result("smoke_cross_compile")
     assert code == 0, out[-3000:] + err[-3000:]
     seconds, inductor, project, cubins, extern = _row(out, "train step 0: T=512")
     assert int(inductor) > 100 and int(cubins) >= int(inductor) + int(project), out[-2000:]

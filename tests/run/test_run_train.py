@@ -20,7 +20,7 @@ from config import RUN_PRESETS
 from model.gpt import GPT
 from records.run_log import REPO_ROOT, parse_log
 from records.run_record import NonFiniteLossError
-from tests import background
+from tests import long_runs
 
 
 @pytest.fixture(scope="module")
@@ -214,15 +214,13 @@ def test_a_two_rank_checkpoint_evaluated_in_one_process_gives_the_two_rank_val_l
 # ---- the acceptance run: the whole smoke schedule on 2 ranks ---------------------------------------
 
 
-# seed 1: with seed 0 this run diverges at step 34 on the embedded corpus, and not through the data: one
-# qk_bank matrix's update there is nearly rank 1 (σ1/||X||_F = 0.9989), so ANVIL's cascade gets a normalized
-# σ1 = 0.9989/1.05 = 0.9513, a hair under the 1/1.05 its maps are built for; bf16 rounding pushes it past the
-# edge and the six maps blow it up (0.951 -> 1.5e27; optim/anvil.py, record #360's margin and maps kept)
-SMOKE_SEED = 1
+# seed 0 (issue 40): with record #360's Frobenius margin (1.05) this run diverged at step 34 on the embedded
+# corpus; the smoke preset's margin 1.10 (config.py, OPTIM_PRESETS) carries it through, as it does seeds 1-4
+# (docs/data.md, "A divergence it found")
+SMOKE_SEED = 0
 SMOKE_ENV = {"SPEEDRUN_COMPILE": "1", "SPEEDRUN_COMPILE_BACKEND": "aot_eager", "SPEEDRUN_SYNC_CHECK": "1",
              "TORCH_LOGS": "recompiles,graph_breaks", "PYTHONUNBUFFERED": "1",
              "RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None}  # None: removed (torchrun sets its own)
-SMOKE_TESTS = ("test_smoke_run_on_two_ranks_learns", "test_compiled_smoke_run_traces_once_and_never_syncs")
 
 
 def _smoke_commands(folder):
@@ -236,10 +234,8 @@ def _smoke_commands(folder):
              "--seed", str(SMOKE_SEED), "--val-tokens", "2048"]]
 
 
-# The acceptance run starts in the background as soon as collection selects one of its tests
-# (tests/background.py: on the core the single-threaded tests leave idle); about 6 min of
-# both cores when run alone, which the whole suite no longer waits for in turn.
-background.register("smoke_run", __file__, SMOKE_TESTS, _smoke_commands, env=SMOKE_ENV, merge_stderr=True)
+# The acceptance run (tests/long_runs.py): about 6 min of both cores when run alone.
+long_runs.register("smoke_run", _smoke_commands, env=SMOKE_ENV, merge_stderr=True)
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +247,7 @@ def smoke_run():
     test_compiled_and_eager_losses_agree_for_three_steps. One validation step (2,048 tokens) per
     validation instead of sixteen: the portable attention dominates a validation on CPU, and the
     learning check needs only the trend (CI time)."""
-    code, out, _, folder = background.result("smoke_run")
+    code, out, _, folder = long_runs.result("smoke_run")
     assert code == 0, out[-8000:]
     (entry,) = _runs(folder / "records")
     return entry, out
