@@ -45,7 +45,7 @@ from perf.host_table import HostRows, choose_placement
 from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS, roll_delayed_scales
 from perf.pinned_batches import PinnedBatchRing
 from perf.checks.sync_check import host_side
-from records.run_log import read_source
+from records.run_log import read_source, run_source_files
 
 REPO_ROOT = Path(__file__).resolve().parent
 
@@ -671,7 +671,7 @@ def save_checkpoint(run: Run, step: int, logs_dir: Path, run_id: str) -> Path:
         tmp.replace(path)
 
     if run.setup.is_master:
-        atomic_save({"step": step, "config": asdict(run.cfg), "code": read_source(REPO_ROOT),
+        atomic_save({"step": step, "config": asdict(run.cfg), "code": read_source(run_source_files(REPO_ROOT), REPO_ROOT),
                      "model": run.model.state_dict(), "world_size": run.setup.world_size}, folder / "model.pt")
     if run.table is not None:  # features.ngram off: no table, no rank files
         rows = run.table.rows.host_tensor() if isinstance(run.table.rows, HostRows) else run.table.rows

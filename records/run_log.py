@@ -1,7 +1,8 @@
 """The self-contained run log: `records/logs/<run_id>.txt`, written by rank 0 of every run.
 
 A log holds everything needed to trust and reproduce a run (upstream convention, record #360):
-  1. the source of every project .py file, each after a path header;
+  1. the source of the project's modules the run imported (as upstream embeds the code its run
+     executed), each after a path header, and a line saying how many files and bytes;
   2. the git commit and whether the tree was dirty;
   3. an environment header (Python, PyTorch, CUDA, Triton, devices, `nvidia-smi`);
   4. the run's own lines in the upstream formats (see `format_step_line` and friends), which
@@ -111,22 +112,47 @@ def parse_log(text: str) -> ParsedLog:
 # ------------------------------------------------------------------------------------------------
 
 
-def project_source_files(root: Path = REPO_ROOT) -> list[Path]:
-    """Every project .py file below `root`, sorted; hidden folders, caches, logs and data excluded."""
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS)
-        files += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+# Never embedded, though a process may have imported them: the test suite, the tools no run imports
+# (cost, memory, cross-compile, benches: perf/tools/), and anything inside a virtual environment.
+NOT_RUN_SOURCE_DIRS = ("tests", "perf/tools")
+NOT_SOURCE_PARTS = {"site-packages", "dist-packages"}
 
 
-def read_source(root: Path = REPO_ROOT) -> str:
-    """The concatenated source, each file after a `# <relative path>` header between dash rules."""
+def run_source_files(root: Path = REPO_ROOT, modules=None) -> list[Path]:
+    """The project's .py files this process has imported (`modules`, default sys.modules; the entry
+    script is `__main__`), sorted: the code the run executes. Tests, tools and virtual environments
+    are left out (NOT_RUN_SOURCE_DIRS, NOT_SOURCE_PARTS), as are hidden folders and caches."""
+    root = Path(root).resolve()
+    found = set()
+    for module in list((sys.modules if modules is None else modules).values()):
+        name = getattr(module, "__file__", None)
+        if not isinstance(name, str) or not name.endswith(".py"):
+            continue
+        path = Path(os.path.abspath(name)).resolve()   # __main__'s may be relative to the working dir
+        if not path.is_relative_to(root) or not path.is_file():
+            continue
+        rel = path.relative_to(root)
+        if (any(part.startswith(".") or part in SKIPPED_DIRS or part in NOT_SOURCE_PARTS for part in rel.parts[:-1])
+                or any(rel.as_posix().startswith(d + "/") for d in NOT_RUN_SOURCE_DIRS)):
+            continue
+        found.add(path)
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def read_source(files: list[Path], root: Path = REPO_ROOT) -> str:
+    """The concatenated source of `files` (below `root`), each after a `# <relative path>` header
+    between dash rules."""
     parts = []
-    for path in project_source_files(root):
+    for path in files:
         rel = path.relative_to(root).as_posix()
         parts.append(f"{SOURCE_RULE}\n# {rel}\n{SOURCE_RULE}\n{path.read_text(encoding='utf-8')}")
     return "\n".join(parts)
+
+
+def format_source_line(files: list[Path]) -> str:
+    """`source: N files, B bytes embedded (...)`: what the log's header holds."""
+    size = sum(len(path.read_bytes()) for path in files)
+    return f"source: {len(files)} files, {size:,} bytes embedded (the project modules this run imported)"
 
 
 def git_state(root: Path = REPO_ROOT) -> tuple[str, bool | None]:
@@ -220,7 +246,9 @@ class RunLog:
             raise FileExistsError(f"run log {self.path} already exists: run ids must be unique")
         self._file = open(self.path, "a", buffering=LOG_BUFFER_BYTES, encoding="utf-8")
         atexit.register(self.close)
-        self._file.write(read_source(root) + "\n")
+        sources = run_source_files(root)
+        self._file.write(read_source(sources, root) + "\n")
+        self._file.write(format_source_line(sources) + "\n")
         self._file.write(f"git commit: {self.git_commit} dirty: {self.git_dirty}\n")
         self._file.write(environment_header() + "\n")
         if console:

@@ -1,13 +1,16 @@
 """The run log: full source capture, git and environment header, upstream line formats."""
 import re
+import sys
+import types
+from pathlib import Path
 
 import pytest
 
 from records.run_log import (_STEP_RE, REPO_ROOT, RunLog, format_peak_memory_line, format_step_line,
-                             format_val_line, parse_log)
+                             format_val_line, parse_log, run_source_files)
 
 
-def test_log_holds_every_project_py_file_and_parses_back(tmp_path):
+def test_log_holds_the_imported_project_modules_and_parses_back(tmp_path):
     with RunLog("test-run", logs_dir=tmp_path, console=False) as log:
         for step in (25, 50, 99, 100):
             log.print0(format_step_line(step, 100, step * 17.5))
@@ -15,19 +18,44 @@ def test_log_holds_every_project_py_file_and_parses_back(tmp_path):
         log.print0(format_peak_memory_line(53424.2, 65224.0))
     text = (tmp_path / "test-run.txt").read_text()
 
-    # Every .py file in the repository (found independently of the module's own walk) is present.
-    expected = sorted(p.relative_to(REPO_ROOT).as_posix() for p in REPO_ROOT.rglob("*.py")
-                      if not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(REPO_ROOT).parts))
+    # The project modules this process imported (found here from sys.modules' own files), less tests
+    # and tools: this test module is imported, and must not be embedded.
+    imported = {Path(m.__file__).resolve() for m in list(sys.modules.values())
+                if isinstance(getattr(m, "__file__", None), str) and m.__file__.endswith(".py")}
+    expected = sorted(p.relative_to(REPO_ROOT).as_posix() for p in imported
+                      if p.is_relative_to(REPO_ROOT) and p.is_file() and p.relative_to(REPO_ROOT).parts[0] != "tests"
+                      and p.relative_to(REPO_ROOT).parts[:2] != ("perf", "tools"))
     parsed = parse_log(text)
     assert sorted(parsed.sources) == expected
-    assert "records/run_log.py" in parsed.sources
+    assert "records/run_log.py" in parsed.sources and Path(__file__).resolve() in imported
+    assert not any(name.startswith("tests/") for name in parsed.sources)
     assert (REPO_ROOT / "records" / "run_log.py").read_text() in text
+    size = sum((REPO_ROOT / name).stat().st_size for name in expected)
+    assert f"\nsource: {len(expected)} files, {size:,} bytes embedded (" in text
 
     assert "git commit: " in text and "Running PyTorch" in text and "Running Python" in text
     assert "Running Triton version" in text
     assert parsed.steps == [(25, 100, 438), (50, 100, 875), (99, 100, 1732), (100, 100, 1750)]
     assert parsed.vals == [(100, 100, 3.2774, 1750)]
     assert parsed.peak_memory_mib == (53424, 65224)
+
+
+def test_run_source_leaves_out_tests_tools_venvs_and_other_files(tmp_path, monkeypatch):
+    root = tmp_path / "repo"
+    files = ["train_gpt.py", "model/gpt.py", "tests/test_x.py", "perf/tools/cost.py", ".venv/lib/x.py",
+             "venv/lib/python3.12/site-packages/pkg/mod.py", "model/__pycache__/gpt.py", "notes.txt"]
+    for name in files:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(f"# {name}\n")
+    (tmp_path / "elsewhere.py").write_text("")
+    modules = {name: types.SimpleNamespace(__file__=str(root / name)) for name in files}
+    modules["outside"] = types.SimpleNamespace(__file__=str(tmp_path / "elsewhere.py"))
+    modules["builtin"] = types.SimpleNamespace()                                      # no __file__
+    modules["gone"] = types.SimpleNamespace(__file__=str(root / "deleted.py"))         # not on disk
+    monkeypatch.chdir(root)
+    modules["__main__"] = types.SimpleNamespace(__file__="train_gpt.py")               # relative, as run
+    found = [p.relative_to(root.resolve()).as_posix() for p in run_source_files(root, modules)]
+    assert found == ["model/gpt.py", "train_gpt.py"]
 
 
 def test_line_formats_match_upstream_text():

@@ -1,4 +1,5 @@
-"""train_gpt.py end to end on CPU: the failures a user meets, 1 vs 2 ranks, checkpoints, the smoke run.
+"""train_gpt.py end to end on CPU: the failures a user meets, 1 vs 2 ranks, checkpoints, sync checks, overlap,
+progress (the whole-schedule smoke acceptance run: tests/run/test_run_smoke.py).
 
 The runs train on the embedded corpus (data/synthetic.py, the smoke preset's default data), written
 into a temp dir once per session (conftest's `synthetic_shards`), so they need nothing from outside
@@ -20,7 +21,6 @@ from config import RUN_PRESETS
 from model.gpt import GPT
 from records.run_log import REPO_ROOT, parse_log
 from records.run_record import NonFiniteLossError
-from tests import long_runs
 
 
 @pytest.fixture(scope="module")
@@ -211,72 +211,6 @@ def test_a_two_rank_checkpoint_evaluated_in_one_process_gives_the_two_rank_val_l
     assert evaluated["val_loss"] == run2["val_loss"]
 
 
-# ---- the acceptance run: the whole smoke schedule on 2 ranks ---------------------------------------
-
-
-# seed 0 (issue 40): with record #360's Frobenius margin (1.05) this run diverged at step 34 on the embedded
-# corpus; the smoke preset's margin 1.10 (config.py, OPTIM_PRESETS) carries it through, as it does seeds 1-4
-# (docs/data.md, "A divergence it found")
-SMOKE_SEED = 0
-SMOKE_ENV = {"SPEEDRUN_COMPILE": "1", "SPEEDRUN_COMPILE_BACKEND": "aot_eager", "SPEEDRUN_SYNC_CHECK": "1",
-             "TORCH_LOGS": "recompiles,graph_breaks", "PYTHONUNBUFFERED": "1",
-             "RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None}  # None: removed (torchrun sets its own)
-
-
-def _smoke_commands(folder):
-    """The acceptance run's commands in `folder`: the embedded corpus written (what `synthetic_shards`
-    writes, the same seeded spec), then the whole smoke schedule on 2 gloo ranks."""
-    data = folder / "synthetic"
-    return [[sys.executable, "-c", "import sys; from data.synthetic import write_corpus; "
-             "write_corpus(sys.argv[1], progress=False)", str(data)],
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt.py",
-             "--config", "smoke", "--data-path", str(data), "--records-dir", str(folder / "records"),
-             "--seed", str(SMOKE_SEED), "--val-tokens", "2048"]]
-
-
-# The acceptance run (tests/long_runs.py): about 6 min of both cores when run alone.
-long_runs.register("smoke_run", _smoke_commands, env=SMOKE_ENV, merge_stderr=True)
-
-
-@pytest.fixture(scope="module")
-def smoke_run():
-    """The acceptance run: the whole smoke schedule on 2 gloo ranks, seed `SMOKE_SEED`, compiled fullgraph
-    with aot_eager (what a GPU run traces) under the sync check, with dynamo's recompile and graph-break
-    logs: (runs.jsonl entry, stdout), validating 2,048 tokens each time. One full run serves the
-    learning and the tracing tests (CI time); that compiled and eager runs agree is
-    test_compiled_and_eager_losses_agree_for_three_steps. One validation step (2,048 tokens) per
-    validation instead of sixteen: the portable attention dominates a validation on CPU, and the
-    learning check needs only the trend (CI time)."""
-    code, out, _, folder = long_runs.result("smoke_run")
-    assert code == 0, out[-8000:]
-    (entry,) = _runs(folder / "records")
-    return entry, out
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_smoke_run_on_two_ranks_learns(smoke_run):
-    entry, out = smoke_run
-    assert entry["status"] == "finished" and entry["steps"] == 70 and entry["world_size"] == 2
-    vals = parse_log(open(entry["log_path"]).read()).vals
-    untrained, final = vals[0][2], vals[-1][2]
-    print(f"smoke: untrained val loss {untrained:.4f}, final {final:.4f}, train time {entry['train_time_ms'] / 1000:.1f} s")
-    assert vals[0][0] == 0 and vals[-1][0] == 70
-    assert untrained == pytest.approx(torch.log(torch.tensor(50304.0)).item(), abs=0.05)  # uniform at init
-    # issue 34: on the embedded corpus the whole schedule ends at least 2 nats below ln 50304 (6.60 measured
-    # over 32,768 tokens; its entropy rate, the floor, is 2.72)
-    assert final <= untrained - 2.0
-    assert "step:70/70 val_loss:" in out
-    # torch 2.13 warns at every call of a deprecated collective name (perf/collectives.py picks the current ones)
-    assert "FutureWarning" not in out and "DeprecationWarning" not in out, out
-    # the train loss jumps where the softmax widens; the log says so at that step
-    from optim.schedule import TrainingSchedule
-    schedule = TrainingSchedule(RUN_PRESETS["smoke"].schedule)
-    full_from = next(s for s in range(1, 70) if schedule.softmax_p(s) == 0 and schedule.softmax_p(s - 1))
-    assert (f"step:{full_from + 1}/70 training loss from here: full softmax over 50304 classes (was sampled "
-            f"softmax over {schedule.softmax_p(full_from - 1)} classes); the train_loss values jump up") in out
-
-
 @pytest.mark.slow
 def test_warmup_then_reset_leaves_no_trace(tmp_path, shards, eager_three_steps):
     """The untimed warmup (a step at every schedule geometry, the split included) followed by the
@@ -288,39 +222,6 @@ def test_warmup_then_reset_leaves_no_trace(tmp_path, shards, eager_three_steps):
     assert "warming up on dummy data" in open(warm["log_path"]).read()
     assert _train_losses(warm["log_path"]) == _train_losses(cold["log_path"])
     assert warm["val_loss"] == cold["val_loss"]
-
-
-# ---- the fast path traces once and never waits (issue: the record step traces once) ---------------
-
-
-def _expected_graphs(schedule, steps: int, val_every: int) -> int:
-    """Graphs a compiled run needs, counted from the schedule's per-step values: one per distinct
-    training shape/flag set, one per distinct windows at an intermediate validation (those of the
-    step before it), one for the final validation."""
-    training = {(schedule.batch_tokens(s), schedule.max_seq_len(s), schedule.softmax_p(s),
-                 len(schedule.mtp_weights(s)), schedule.prefix_weight(s) > 0, schedule.windows(s))
-                for s in range(steps)}
-    validation = {schedule.windows(max(k - 1, 0)) for k in range(0, steps, val_every)}
-    return len(training) + len(validation) + 1
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_compiled_smoke_run_traces_once_and_never_syncs(smoke_run):
-    """The acceptance run (`smoke_run`): every graph compiles in the warmup, none after (no
-    recompile, no graph break in dynamo's own logs), and no step syncs (the run would have failed)."""
-    from optim.schedule import TrainingSchedule
-
-    entry, out = smoke_run
-    assert entry["status"] == "finished" and entry["steps"] == 70
-    smoke = RUN_PRESETS["smoke"]
-    schedule = TrainingSchedule(smoke.schedule)
-    expected = _expected_graphs(schedule, schedule.total_steps, smoke.val_every)
-    log = open(entry["log_path"]).read()
-    assert f"compiled graphs: warmup {expected}, timed 0" in log, re.findall(r"compiled graphs.*", log)
-    assert "compiled graphs: validation after the warmup 0" in log
-    after_reset = out.split("resetting model and optimizer state", 1)[1]
-    assert "[__recompiles]" not in after_reset and "[__graph_breaks]" not in after_reset, after_reset[:3000]
 
 
 def test_compiled_and_eager_losses_agree_for_three_steps(tmp_path, shards, eager_three_steps):
