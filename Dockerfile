@@ -2,7 +2,7 @@
 # GPT-2 BPE files and the FA3 build at its pinned revision (so a run needs no Hub access).
 #   docker build -t speedrun .
 #   docker run --gpus all --ipc=host -v $PWD/data/fineweb10B:/speedrun/data/fineweb10B speedrun \
-#       bash -c "python -m perf.checks.preflight && ./run.sh"
+#       bash -c "python -m runtime.preflight && ./run.sh"
 # The host needs NVIDIA driver >= 580 (below it the step is ~35% slower, with no error).
 FROM nvidia/cuda:13.1.1-cudnn-devel-ubuntu24.04
 

@@ -3,7 +3,7 @@ line, exit 2 on a refused configuration, the integer argument types, --set SECTI
 (`apply_overrides`: any config field) and the measuring tools' --config/--world-size/--set line.
 
 It imports only `config` (and the standard library), so any module's command line can use it
-without an import circle: the up-front check of a run (config_check.py) builds a schedule and reads
+without an import circle: the up-front check of a run (runtime/config_check.py) builds a schedule and reads
 a checkpoint, and the schedule's own command line (`python -m optim.schedule`) uses this module.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ def preset_run_config(name: str, assignments: list[str]) -> RunConfig:
 
 def parse_preset_args(prog: str, description: str, argv, presets, world_size_help: str,
                       world_size_default: int | None = None, ranks_of=None) -> argparse.Namespace:
-    """The measuring tools' command line (model.summary, perf.tools.memory, perf.checks.cost): --config PRESET,
+    """The measuring tools' command line (model.summary, tools.memory, tools.cost): --config PRESET,
     --world-size W and --set SECTION.FIELD=VALUE (repeatable; `args.run_config` is the preset's
     RunConfig with them applied), bad input refused in one line with exit 2. ranks_of: preset name
     -> the ranks W must divide (the process count of a run); None: any positive W."""

@@ -139,7 +139,7 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Optimizer constants (record #360: track_1_short/optim/anvil.py and training.py). NorMuon's are
+    """Optimizer constants (record #360: track_1_short/optim/anvil.py and runtime/training.py). NorMuon's are
     record #89's."""
     bank_optimizer: str = "anvil"           # "anvil" (record #360) or "normuon" (record #89)
     anvil_lr: float = 0.023                 # record #360
@@ -202,7 +202,7 @@ class FeatureConfig:
     kernel launched, no collective, no host work (docs/features.md lists each with #360's
     measured gain). The other switches that price a feature exist elsewhere:
     `--set optim.bank_optimizer=normuon` (ANVIL -> record #89's NorMuon), SPEEDRUN_CUDA_GRAPHS=0
-    and SPEEDRUN_COMPILE=0 (perf/backend.py: execution paths, not math)."""
+    and SPEEDRUN_COMPILE=0 (ops/backend.py: execution paths, not math)."""
     # PR #360 ("New Embedding Table"): the 84.6M-row hashed bigram + trigram table, its
     # sign pool, row exchange and row-sparse Adam, and its injections (layer 0, 1, 4, 5, 9, MUDD
     # mu11, the gates' n-gram lanes). Off: none of them. (Record #89 had a bigram-only table.)
@@ -223,7 +223,7 @@ class FeatureConfig:
     # in record #89's tree (fp8 lm_head and MLP forward; PR #342 the down projection), extended by
     # PR #344 (packed fp8 QKV) and PR #360 (fp8 MLP backward, cached lm_head, e4m3 logits). Off:
     # bf16 GEMMs everywhere, no fp8 weight caches. This is the recipe switch (any preset, recorded
-    # with the run); SPEEDRUN_FP8=0 (perf/backend.py) says the hardware cannot run fp8 GEMMs and the
+    # with the run); SPEEDRUN_FP8=0 (ops/backend.py) says the hardware cannot run fp8 GEMMs and the
     # record preset refuses it. A run trains in fp8 only when both are on.
     fp8: bool = True
 
@@ -291,10 +291,10 @@ class RunConfig:
     features: FeatureConfig = FeatureConfig()  # ablation switches, all on (--set features.ngram=false)
     # ours: how long a rank waits in a collective for the others (the process group's timeout). Sized
     # against a cold compile: ranks compile each geometry between two collectives of the warmup, and
-    # one geometry of the record took up to 140 s to compile for SM90 on 2 CPU cores (perf.tools.cross_compile);
+    # one geometry of the record took up to 140 s to compile for SM90 on 2 CPU cores (tools.cross_compile);
     # 600 s leaves 4x for a rank whose compile cache is cold while the others' are warm.
     collective_timeout_s: int = 600
-    # ours: where the n-gram table lives (perf/host_table.py): "device", "host" (host memory, rows
+    # ours: where the n-gram table lives (transfer/host_table.py): "device", "host" (host memory, rows
     # gathered and written back off the main thread) or "auto" (host when the shard would take more
     # than half the device's memory: the record's recipe on fewer than 8 GPUs); logged
     ngram_table: str = "auto"          # one of NGRAM_TABLE_PLACEMENTS

@@ -14,8 +14,8 @@ leaves to a model (docs/evaluate.md): the checkpoint as the harness's `LM` (logl
 loglikelihood_rolling, generate_until), HellaSwag read from a local jsonl file (the harness's own
 hellaswag task with its data swapped for the file), the table and the runs.jsonl line.
 
-The model is built by training.py's Setup and Run, as the training builds it, and loaded by
-training.load_checkpoint; it runs its validation forward (bf16, no canonical mask, the final
+The model is built by runtime/training.py's Setup and Run, as the training builds it, and loaded by
+checkpoints.load_checkpoint; it runs its validation forward (bf16, no canonical mask, the final
 windows) with `StepArgs(logits=True, logits_from=k)` (the rows it reads), eagerly. One document per forward: [BOS] + context +
 continuation. Packing several would change the scores, since the smear, the key offset and the
 n-gram hashes read the previous token across documents; alone, a document's scores do not
@@ -50,10 +50,11 @@ from data.ngram import ngram_row_ids, ngram_sign_rows
 from data.shards import BOS_ID
 from model.gpt import StepArgs
 from model.prefix import gpt2_bpe_available, gpt2_encoding
-from perf import backend as perf_backend
+from ops import backend as perf_backend
 from records.run_log import REPO_ROOT, git_state
 from records.runs_log import append_run, now_iso
-from training import Run, Setup, load_checkpoint
+from runtime.checkpoints import load_checkpoint
+from runtime.training import Run, Setup
 
 EVAL_REQUIREMENTS = "requirements-eval.txt"
 HELLASWAG_FIELDS = ("activity_label", "ctx_a", "ctx_b", "endings", "label")  # what the harness's hellaswag reads
@@ -65,7 +66,7 @@ HELLASWAG_FIELDS = ("activity_label", "ctx_a", "ctx_b", "endings", "label")  # w
 
 
 def run_config_from_dict(saved: dict) -> RunConfig:
-    """The RunConfig that `asdict(cfg)` saved (training.save_checkpoint), sections rebuilt."""
+    """The RunConfig that `asdict(cfg)` saved (checkpoints.save_checkpoint), sections rebuilt."""
     schedule = dict(saved["schedule"])
     schedule["stages"] = tuple(StageConfig(**stage) for stage in schedule["stages"])
     return RunConfig(**{**saved, "model": ModelConfig(**saved["model"]), "schedule": ScheduleConfig(**schedule),
@@ -522,7 +523,7 @@ def _positive(what: str):
 
 
 def build(cfg: RunConfig, folder: Path, device: str) -> tuple[Setup, Run]:
-    """The run as the training builds it (training.py), the checkpoint loaded. No record node checks,
+    """The run as the training builds it (runtime/training.py), the checkpoint loaded. No record node checks,
     no warmup: the forward runs eagerly, since every document length would be a compiled graph."""
     cfg = replace(cfg, device=device, requires_fast_path=False, warmup=False)
     setup = Setup(cfg)

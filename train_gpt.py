@@ -10,7 +10,7 @@ SPEEDRUN_CUDA_GRAPHS the capture of every step region, each checked against eage
 and undone in place; the clock starts after a barrier; per-run work (prefix table, canonical mask,
 validation batch reads, tail-average ship) is on the clock; validation forwards are not.
 Math lives in model/ and optim/, speed in perf/, batches in data/, logs in records/; the run's machinery
-(Setup, Run: the step, warmup, reset, validation) in training.py.
+(Setup, Run: the step, warmup, reset, validation) in runtime/training.py.
 """
 from __future__ import annotations
 
@@ -31,22 +31,23 @@ import torch.distributed as dist
 
 from cli import ArgumentParser, apply_overrides, exit_on_config_error
 from config import RUN_PRESETS, ConfigError, RunConfig, features_line
-from config_check import check_run, records_folder, records_folder_problems, shard_globs
+from runtime.config_check import check_run, records_folder, records_folder_problems, shard_globs
 from data.loader import TrainLoader
 from model.canonical_mask import CanonicalMaskBuild
 from model.prefix import STORED_TABLE, build_prefix_table, build_prefix_table_sharded, gpt2_bpe_available
 from optim.schedule import TrainingSchedule
 from optim.tail_average import TailAverages
-from perf.collectives import named_timeouts
-from perf.compile import allocator_settings_line, check_warmup_compiled, compiled_graphs
-from perf.loss_watch import LossWatch
-from perf.checks.cost import RunCost, device_peak, schedule_cost
-from perf.checks.preflight import check_node
-from perf.checks.sync_check import host_side, sync_check
+from transfer.collectives import named_timeouts
+from runtime.compile import allocator_settings_line, check_warmup_compiled, compiled_graphs
+from runtime.loss_watch import LossWatch, check_finite
+from runtime.preflight import check_node
+from runtime.sync_check import host_side, sync_check
+from runtime.throughput import RunCost, device_peak
 from records.run_log import (format_peak_memory_line, format_step_line, format_train_loss_line, format_val_line,
                              progress_bar)
-from records.run_record import RunRecorder, check_finite
-from training import CheckpointError, Run, Setup, load_checkpoint, save_checkpoint
+from records.run_record import RunRecorder
+from runtime.checkpoints import CheckpointError, load_checkpoint, save_checkpoint
+from runtime.training import Run, Setup
 
 PRINT_EVERY = 25  # record #360: a step line every 25 steps, plus the last two
 MIB = 1 << 20
@@ -164,17 +165,18 @@ def shows_progress_bar(cfg: RunConfig, setup: Setup) -> bool:
 
 
 def run_cost(cfg: RunConfig, setup: Setup, schedule: TrainingSchedule, log) -> RunCost:
-    """The run's tokens/s, MFU and peak fraction (perf/checks/cost.py). The last two need the model's FLOPs
-    per geometry, counted on "meta" before the warmup (seconds, off the clock), and the device's
-    datasheet peak: without one (a CPU, a GPU not in perf.checks.cost's table) the log shows neither rather
-    than a wrong one."""
+    """The run's tokens/s, MFU and peak fraction (runtime/throughput.py). The last two need the model's
+    FLOPs per geometry, counted on "meta" before the warmup (seconds, off the clock: runtime/op_count.py,
+    imported only then), and the device's datasheet peak: without one (a CPU, a GPU not in
+    runtime.throughput's table) the log shows neither rather than a wrong one."""
     peak = device_peak(torch.cuda.get_device_name(setup.device)) if setup.device.type == "cuda" else None
     if peak is None:
         return RunCost(schedule)
-    cost = RunCost(schedule, schedule_cost(cfg, setup.world_size, optimizer=False), peak)
+    from runtime.op_count import count_geometries  # the counter and the run on "meta": only where MFU is known
+    cost = RunCost(schedule, count_geometries(cfg, setup.world_size), peak)
     log.print0(f"mfu: model FLOPs / (time × {peak.bf16_tflops:,.1f} TFLOP/s, the {peak.name}'s bf16 dense peak); "
                f"peak_fraction: each kind at its own peak ({peak.fp8_tflops:,.1f} fp8, {peak.bf16_tflops:,.1f} bf16) "
-               f"(perf/checks/cost.py)", console=True)
+               f"(runtime/throughput.py)", console=True)
     return cost
 
 
@@ -250,7 +252,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
             contextlib.ExitStack() as guards:
         log = rec.log
         setup = Setup(cfg)
-        check_node(cfg, setup.backend)  # the record's node checks (perf/checks/preflight.py)
+        check_node(cfg, setup.backend)  # the record's node checks (runtime/preflight.py)
         train_glob, val_glob = shard_globs(cfg)
         setup.init_process_group(cfg.collective_timeout_s)
         log.print0(f"config {cfg.name}: {setup.world_size} process(es) × {setup.accum} accumulation step(s) "
@@ -273,7 +275,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         log.print0(f"[schedule] stage ends={schedule.stage_ends} steps={n} split={schedule.split_step}", console=True)
 
         if args.eval_checkpoint is not None:
-            try:  # checked before the run (config_check.py); this catches a folder changed since
+            try:  # checked before the run (runtime/config_check.py); this catches a folder changed since
                 step = load_checkpoint(run, args.eval_checkpoint)
             except (FileNotFoundError, CheckpointError) as e:
                 raise ConfigError(f"--eval-checkpoint {e}") from None

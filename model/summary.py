@@ -4,7 +4,7 @@ built on the meta device, so the record size costs no memory:
     python -m model.summary --config record                           # or dev, smoke
     python -m model.summary --config smoke --set features.ngram=false # a feature switched off
 
-What one rank of a training run holds in device memory is `python -m perf.tools.memory` (it builds the
+What one rank of a training run holds in device memory is `python -m tools.memory` (it builds the
 optimizer and the n-gram table too, which the model does not import).
 """
 from __future__ import annotations

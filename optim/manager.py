@@ -21,7 +21,7 @@ communication order of record #360 (track_1_short/training.py, track_1_short/opt
   gets momentum and decay at each event in both).
 * embed is tied to lm_head until the split step: embed's gradient is transposed into lm_head's
   before the reduce, and embed <- lm_head^T after the gather. At the split step lm_head's moments
-  are gathered, transposed and resharded into embed's. The transposes are perf/kernels/transpose.py's
+  are gathered, transposed and resharded into embed's. The transposes are ops/transpose.py's
   (tiled Triton kernels on the fast path; fp32 sum, one rounding, as bf16 `add_` on the portable one).
 * Order: replicated all-reduces first (phase 0), then reduce-scatters in SCATTER_ORDER (phase 1),
   then waits + updates + all-gathers in WORK_ORDER (phase 2), then the lm_head gather and the tied
@@ -57,10 +57,10 @@ from optim.anvil import BankState, BankStepScalars, anvil_update, rail_settings,
 from optim.normuon import muon_momentum, normuon_update
 from optim.row_exchange import RowExchange, RowPlan
 from optim.schedule import TrainingSchedule
-from perf.collectives import all_gather_single, reduce_scatter_single
-from perf.kernels.transpose import transpose_add_, transpose_into
-from perf import streams
-from perf.pinned_batches import PinnedStaging
+from transfer.collectives import all_gather_single, reduce_scatter_single
+from ops.transpose import transpose_add_, transpose_into
+from transfer import streams
+from transfer.pinned_batches import PinnedStaging
 
 
 # record #360 (track_1_short/training.py): launch the big bank reduce-scatters first; update the small parameters while
@@ -154,7 +154,7 @@ class ScalarTable:
     """Every entry's 0-D device scalars (Entry.scalars) as views of one fp32 device table, written
     from a host copy through reused pinned buffers: one host→device copy per step
     (`OptimizerManager.load_scalars`) where a fill_ per scalar was a launch each (4 per bank, 2 per
-    Adam parameter: 42 at an Adam step of the record; perf/tools/bench_host.py counts them). The host
+    Adam parameter: 42 at an Adam step of the record; tools/bench_host.py counts them). The host
     copy keeps every scalar's current value, so the copy leaves the entries a step does not update
     as they were; the values are rounded to fp32 on the host as fill_ rounds them (bitwise the same
     device scalars). Built before any write, when the scalars still hold their initial zeros."""
@@ -194,7 +194,7 @@ class OptimizerManager:
         lr 0 and so never move. Without it, a bank's own `frozen_matrices` attribute is used (the
         record model marks mlp slot 7, layer 7 having no MLP: matrices 14 and 15).
         layout: (rank, world_size) to shard for instead of the process group's, for a rank without
-        one: a training.Run on "meta", as the tools model a rank (perf/checks/meta_rank.py), whose
+        one: a training.Run on "meta", as the tools model a rank (runtime/meta_rank.py), whose
         collectives they replace.
         keep_grads: zero the consumed gradients in place instead of releasing them (`p.grad = None`),
         so the next backward accumulates into the same storage: what a captured backward and update
@@ -258,7 +258,7 @@ class OptimizerManager:
             n for n in WORK_ORDER if defer_gathers and self.world_size > 1 and n in self.entries
             and self.entries[n].rule.optim == "bank" and self.entries[n].shard.padded == self.entries[n].shard.n)
         self._in_flight: list[tuple[str, object]] = []   # launched deferred gathers, in launch order
-        self._gathers_writing: list = []  # their writes, for perf/streams.py's checks (CPU)
+        self._gathers_writing: list = []  # their writes, for transfer/streams.py's checks (CPU)
 
     # --- construction ------------------------------------------------------------------------
     def _make_entry(self, name: str, param: Tensor, rule: ParamRule, frozen: frozenset) -> Entry:

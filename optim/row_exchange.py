@@ -22,20 +22,20 @@ masks, nothing read back, so a GPU never waits on the host for this.
     ngram_opt.accumulate(plan, rows.grad)          # optim/manager.py NgramRowOptimizer
     ngram_opt.step(step)                           # at table events: exchange.push, row-sparse Adam
 
-Host cost (perf/tools/bench_host.py): the plan's sort of the batch's 2T ids is one np.sort of packed
+Host cost (tools/bench_host.py): the plan's sort of the batch's 2T ids is one np.sort of packed
 (id, position) keys (`unique_inverse`). Work that can start before it is needed runs on the
 exchange's prep thread (numpy only; the host collectives stay on the caller's thread, in its
 order): `prepare(ids)` sorts a request ahead (training.Run.prefetch, for the step after a table
 event, whose rows cannot be pulled ahead) and `plan(ids)` then only exchanges and uploads; and a
 table event's push routes are planned a step ahead, once its cycle's last plans are known
 (`expect_push`, `prepare_push`), where they took the event's host time. Index vectors reach the
-device through reused pinned buffers (perf/pinned_batches.py `PinnedStaging`).
+device through reused pinned buffers (transfer/pinned_batches.py `PinnedStaging`).
 
 The ids go over the host group (not the device) because the owner needs them on the host: at a
 table event it plans its gradient merge (which rows it receives from whom, their distinct set and
 the merge index) from the ids it was asked for during the cycle, and a device copy of them could
 only be read back with a sync. The push then reuses the pull's routes reversed: no count or id
-exchange at events. Traffic per rank (perf/tools/bench_rows.py measures it on real text): the pull
+exchange at events. Traffic per rank (tools/bench_rows.py measures it on real text): the pull
 sends each owner its distinct ids (int64, host group) and gets back exactly those rows (bf16);
 the push sends each owner one fp32 row per distinct row of the cycle it owns.
 """
@@ -51,8 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from perf.host_table import HostRows
-from perf.pinned_batches import PinnedStaging
+from transfer.host_table import HostRows
+from transfer.pinned_batches import PinnedStaging
 
 # ours: requests prepared ahead (RowExchange.prepare) and never planned are dropped past this many
 # (a loop that changed its batches after peeking); a run has at most one step's worth pending
@@ -151,7 +151,7 @@ class RowExchange:
     default backend (NCCL), a new gloo group (a collective: every rank constructs its exchange at
     the same point); on a gloo default backend, the default group. The rows themselves travel on
     the default group. world_size == 1 needs no torch.distributed at all, and neither does an
-    exchange on "meta" (a rank the tools model, perf/checks/meta_rank.py: its collectives go to whatever
+    exchange on "meta" (a rank the tools model, runtime/meta_rank.py: its collectives go to whatever
     torch.distributed is then, a tool's stand-in)."""
 
     def __init__(self, num_rows: int, rank: int, world_size: int, device, group=None, lanes: int = 1):
@@ -345,7 +345,7 @@ class PendingPull:
     def __init__(self, plan: RowPlan, rows: Tensor | None, work, answers: Tensor | None, gathering=None):
         self.plan, self.rows, self._work = plan, rows, work
         self._answers = answers  # the send buffer stays alive until the exchange is waited
-        self._gathering = gathering  # a host table's gather in flight (perf/host_table.py PendingRows)
+        self._gathering = gathering  # a host table's gather in flight (transfer/host_table.py PendingRows)
         self._patches: list[tuple[Tensor, Tensor]] = []
 
     def patch(self, positions: Tensor, values: Tensor) -> None:

@@ -1,7 +1,7 @@
 """Parameters with the GPT's names, dtypes and (scaled) shapes but no forward pass
 (record #360: track_1_short/model/gpt.py). Kept beside the real model for two things it cannot give cheaply:
 bank matrix counts that need padding on 2 and 4 ranks (`small`: the GPT's 48/16/24 always divide),
-and record-shaped real tensors for perf/tools/bench_optim.py without the model's buffers. The table and
+and record-shaped real tensors for tools/bench_optim.py without the model's buffers. The table and
 frozen-slot tests run on the real GPT (tests/optim/test_optim_model_wiring.py), which also checks
 that this list keeps the GPT's names, record shapes and dtypes.
 

@@ -26,13 +26,13 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.source import SOURCE_RULE, format_source_line, read_source, run_source_files
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_LOGS_DIR = REPO_ROOT / "records" / "logs"
 
 LOG_BUFFER_BYTES = 1 << 20  # record #360: one buffered handle, 1 MiB
-SOURCE_RULE = "-" * 40  # record #360 run_log: 40 dashes around each file's path header
 ENV_RULE = "=" * 100  # record #360 run_log: 100 '=' around the environment header
-SKIPPED_DIRS = {"__pycache__", "logs", "fineweb10B"}  # run outputs and data, not source
 
 # ------------------------------------------------------------------------------------------------
 # The upstream line formats (record #360: track_1_short/run_log.py). Writers and parsers sit side by side so they agree.
@@ -43,7 +43,7 @@ def format_step_line(step: int, total_steps: int, train_time_ms: float, tokens_p
                      mfu: float | None = None, peak_fraction: float | None = None) -> str:
     """`step:{s}/{N} train_time:{ms:.0f}ms step_avg:{ms/s:.2f}ms`; `step` counts finished steps. Ours
     appends ` tokens/s:{:.0f}`, ` mfu:{:.1f}%` (the standard MFU: model FLOPs over the time at the bf16
-    dense peak) and ` peak_fraction:{:.1f}%` (each kind at its own peak) when known (perf/checks/cost.py
+    dense peak) and ` peak_fraction:{:.1f}%` (each kind at its own peak) when known (tools/cost.py
     RunCost): upstream's parsers, which search for the fields above, still read the line."""
     line = f"step:{step}/{total_steps} train_time:{train_time_ms:.0f}ms step_avg:{train_time_ms / max(step, 1):.2f}ms"
     if tokens_per_s is not None:
@@ -62,7 +62,7 @@ def format_val_line(step: int, total_steps: int, val_loss: float, train_time_ms:
 
 
 def format_train_loss_line(step: int, total_steps: int, train_loss: float) -> str:
-    """`step:{s}/{N} train_loss:{:.4f}`: a point of the training curve (perf/loss_watch.py; every step
+    """`step:{s}/{N} train_loss:{:.4f}`: a point of the training curve (runtime/loss_watch.py; every step
     with --log-train-loss). No `train_time:` field, so neither `_STEP_RE` nor upstream's step-line
     patterns take it for a step line; `parse_log` reads it into `train_losses`."""
     return f"step:{step}/{total_steps} train_loss:{train_loss:.4f}"
@@ -110,49 +110,6 @@ def parse_log(text: str) -> ParsedLog:
 # ------------------------------------------------------------------------------------------------
 # What the header captures.
 # ------------------------------------------------------------------------------------------------
-
-
-# Never embedded, though a process may have imported them: the test suite, the tools no run imports
-# (cost, memory, cross-compile, benches: perf/tools/), and anything inside a virtual environment.
-NOT_RUN_SOURCE_DIRS = ("tests", "perf/tools")
-NOT_SOURCE_PARTS = {"site-packages", "dist-packages"}
-
-
-def run_source_files(root: Path = REPO_ROOT, modules=None) -> list[Path]:
-    """The project's .py files this process has imported (`modules`, default sys.modules; the entry
-    script is `__main__`), sorted: the code the run executes. Tests, tools and virtual environments
-    are left out (NOT_RUN_SOURCE_DIRS, NOT_SOURCE_PARTS), as are hidden folders and caches."""
-    root = Path(root).resolve()
-    found = set()
-    for module in list((sys.modules if modules is None else modules).values()):
-        name = getattr(module, "__file__", None)
-        if not isinstance(name, str) or not name.endswith(".py"):
-            continue
-        path = Path(os.path.abspath(name)).resolve()   # __main__'s may be relative to the working dir
-        if not path.is_relative_to(root) or not path.is_file():
-            continue
-        rel = path.relative_to(root)
-        if (any(part.startswith(".") or part in SKIPPED_DIRS or part in NOT_SOURCE_PARTS for part in rel.parts[:-1])
-                or any(rel.as_posix().startswith(d + "/") for d in NOT_RUN_SOURCE_DIRS)):
-            continue
-        found.add(path)
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
-
-
-def read_source(files: list[Path], root: Path = REPO_ROOT) -> str:
-    """The concatenated source of `files` (below `root`), each after a `# <relative path>` header
-    between dash rules."""
-    parts = []
-    for path in files:
-        rel = path.relative_to(root).as_posix()
-        parts.append(f"{SOURCE_RULE}\n# {rel}\n{SOURCE_RULE}\n{path.read_text(encoding='utf-8')}")
-    return "\n".join(parts)
-
-
-def format_source_line(files: list[Path]) -> str:
-    """`source: N files, B bytes embedded (...)`: what the log's header holds."""
-    size = sum(len(path.read_bytes()) for path in files)
-    return f"source: {len(files)} files, {size:,} bytes embedded (the project modules this run imported)"
 
 
 def git_state(root: Path = REPO_ROOT) -> tuple[str, bool | None]:

@@ -18,17 +18,6 @@ from records.run_log import DEFAULT_LOGS_DIR, RunLog, device_names
 from records.runs_log import DEFAULT_RUNS_PATH, RunRecord, append_run, new_run_id, now_iso
 
 
-class NonFiniteLossError(RuntimeError):
-    """A loss term became NaN or inf; the message names the step and the term."""
-
-
-def check_finite(step: int, terms: dict[str, float]) -> None:
-    """Raise NonFiniteLossError naming the first non-finite loss term (terms: name -> value)."""
-    for name, value in terms.items():
-        if value != value or value in (float("inf"), float("-inf")):
-            raise NonFiniteLossError(f"loss term {name!r} is {value} at step {step}: stopping the run")
-
-
 class RunRecorder:
     def __init__(self, config: str, world_size: int, rank: int = 0, device: str | None = None,
                  label: str = "", run_id: str | None = None, logs_dir: Path | str = DEFAULT_LOGS_DIR,

@@ -6,11 +6,11 @@
     python3 tests/affected.py --files model/loss.py        # these paths, no git
 
 A test file is selected when it changed, when it mirrors a changed file (model/loss.py ->
-tests/model/test_model_loss*.py, perf/kernels/mlp.py -> tests/kernels/test_kernels_mlp*.py,
+tests/model/test_model_loss*.py, ops/mlp.py -> tests/ops/test_ops_mlp*.py,
 a top-level file such as train_gpt.py or config.py -> tests/run/), or when it reaches a changed
 module through any chain of the project's modules: an import (at the top or inside a function), an
 import in a worker script it keeps as a string (tests/gloo_workers.py runs those), or a module or
-file it launches (`"-m", "perf.tools.cross_compile"`, `"data/tokenize.py"`), and so on from each of those.
+file it launches (`"-m", "tools.cross_compile"`, `"data/tokenize.py"`), and so on from each of those.
 Tests that read the tree as text run for any change to what they read (`READERS`: the import-circle
 and citation checks, the README's). A change to the test set-up (conftest, pyproject, requirements)
 selects everything. Files are read, not run, so it cannot see an import built at run time
@@ -41,7 +41,7 @@ def module_name(path: str) -> str:
 
 
 def with_packages(name: str) -> list[str]:
-    """perf.kernels.mlp -> [perf, perf.kernels, perf.kernels.mlp]: importing it runs each __init__."""
+    """runtime.cuda_graphs.capture -> [runtime, runtime.cuda_graphs, runtime.cuda_graphs.capture]: importing it runs each __init__."""
     parts = name.split(".")
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
@@ -66,7 +66,7 @@ def names_in(path: Path) -> set[str]:
                         trees.append(ast.parse(textwrap.dedent(text)))
                     except SyntaxError:
                         pass
-                if text.endswith(".py") or ("." in text and " " not in text):  # "perf.tools.cross_compile", "train_gpt.py"
+                if text.endswith(".py") or ("." in text and " " not in text):  # "tools.cross_compile", "train_gpt.py"
                     found.add(module_name(text))
     return {package for name in found for package in with_packages(name)}
 
@@ -81,8 +81,6 @@ def mirrors(path: str, repo: Path) -> list[str]:
     if "/" not in path:
         folder, stem = repo / "tests" / "run", "test"
     else:
-        if parts[:2] == ["perf", "kernels"]:  # perf/kernels/x.py -> tests/kernels/test_kernels_x.py
-            parts = parts[1:]
         folder, stem = repo / "tests" / parts[0], "test_" + "_".join(parts)
     return [str(p.relative_to(repo)) for p in [*folder.glob(stem + ".py"), *folder.glob(stem + "_*.py")]]
 

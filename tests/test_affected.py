@@ -15,9 +15,8 @@ FILES = {  # a miniature of the project's layout (net/ for model/): path -> sour
     "net/loss.py": "X = 1\n",
     "net/mlp.py": "Y = 2\n",
     "net/gpt.py": "from net.loss import X\nfrom net import mlp\n",
-    "perf/__init__.py": "",
-    "perf/kernels/__init__.py": "",
-    "perf/kernels/ce.py": "from net.loss import X\n",
+    "ops/__init__.py": "",
+    "ops/ce.py": "from net.loss import X\n",
     "train.py": "from net.gpt import X\n",
     "tests/conftest.py": "",
     "tests/helpers.py": "def run(script): pass\n",
@@ -25,7 +24,7 @@ FILES = {  # a miniature of the project's layout (net/ for model/): path -> sour
     "tests/net/test_net_loss_sampled.py": "import math\n",  # mirrors net/loss.py by name
     "tests/net/test_net_lossy.py": "import math\n",  # does not: another name
     "tests/net/test_net_gpt.py": "from net.gpt import X\n",
-    "tests/kernels/test_kernels_ce.py": "from perf.kernels.ce import X\n",
+    "tests/ops/test_ops_ce.py": "from ops.ce import X\n",
     "tests/optim/test_optim_dist.py": 'from tests.helpers import run\nWORKER = """\n    from net import loss\n"""\n',
     "tests/run/test_run_launch.py": 'import subprocess, sys\nsubprocess.run([sys.executable, "train.py"])\n',
     "tests/run/test_run_cli.py": 'ARGS = ["-m", "net.mlp"]\n',
@@ -44,10 +43,10 @@ def repo(tmp_path):
     (["net/loss.py"], {"tests/net/test_net_loss.py": "mirrors net/loss.py",
                        "tests/net/test_net_loss_sampled.py": "mirrors net/loss.py",
                        "tests/optim/test_optim_dist.py": "imports net.loss",  # in its worker script
-                       "tests/kernels/test_kernels_ce.py": "imports perf.kernels.ce → net.loss",
+                       "tests/ops/test_ops_ce.py": "imports ops.ce → net.loss",
                        "tests/net/test_net_gpt.py": "imports net.gpt → net.loss",
                        "tests/run/test_run_launch.py": "imports train → net.gpt → net.loss"}),  # it launches train.py
-    (["perf/kernels/ce.py"], {"tests/kernels/test_kernels_ce.py": "mirrors perf/kernels/ce.py"}),
+    (["ops/ce.py"], {"tests/ops/test_ops_ce.py": "mirrors ops/ce.py"}),
     (["train.py"], {"tests/run/test_run_cli.py": "mirrors train.py",
                     "tests/run/test_run_launch.py": "mirrors train.py"}),
     (["net/mlp.py"], {"tests/run/test_run_cli.py": "imports net.mlp",  # launched with -m
@@ -60,7 +59,7 @@ def repo(tmp_path):
     (["net/__init__.py"], {  # every test importing anything under net/ runs it
         **{f"tests/net/test_net_{n}.py": "mirrors net/__init__.py" for n in ("gpt", "loss", "loss_sampled", "lossy")},
         "tests/optim/test_optim_dist.py": "imports net", "tests/records/test_records_old.py": "imports net",
-        "tests/run/test_run_cli.py": "imports net", "tests/kernels/test_kernels_ce.py": "imports perf.kernels.ce → net",
+        "tests/run/test_run_cli.py": "imports net", "tests/ops/test_ops_ce.py": "imports ops.ce → net",
         "tests/run/test_run_launch.py": "imports train → net"}),
 ])
 def test_selection(repo, changed, expected):
@@ -83,7 +82,7 @@ CHAIN = {  # a hand-built chain: the test imports a, a imports b inside a functi
                       "tests/other/test_other_b.py": "imports chain.b → chain.a"}),
     (["chain/c.py"], {"tests/chain/test_chain_d.py": "imports chain.d → chain.c"}),  # nothing below c reaches it
     (["chain/d.py"], {"tests/chain/test_chain_d.py": "mirrors chain/d.py"}),  # once, its first reason
-    (["perf/kernels/ce.py"], {"tests/kernels/test_kernels_ce.py": "mirrors perf/kernels/ce.py"}),  # net.gpt does not import it
+    (["ops/ce.py"], {"tests/ops/test_ops_ce.py": "mirrors ops/ce.py"}),  # net.gpt does not import it
 ])
 def test_a_test_reaching_a_changed_module_through_any_chain_is_selected(repo, changed, expected):
     for path, source in CHAIN.items():
@@ -141,7 +140,7 @@ def test_command_line_on_this_repository(capsys):
 
 def test_optim_anvil_reaches_the_optimizer_and_run_tests():
     """optim/anvil.py is imported by optim/manager.py, which the distributed and wiring tests and
-    every run test (through training.py) import: each is selected, not only the anvil tests. (Paths
+    every run test (through runtime/training.py) import: each is selected, not only the anvil tests. (Paths
     are built, not written out: a literal path would make this file reach those modules.)"""
     def test(area, name):
         return "/".join(("tests", area, f"test_{area}_{name}.py"))

@@ -4,8 +4,8 @@ form a graph without a cycle.
 Every import counts, the ones inside functions too (a lazy import only moves a circle to run time,
 where it fails half-way through a command, or hides that two modules depend on each other). An
 import names the module and, for `from a.b import c`, a.b.c when that is a module; the packages
-above an imported module count too (importing perf.tools.capture_cost runs perf/tools/
-__init__.py), but not a module's own packages (perf/tools/memory.py is inside perf/, whatever it imports).
+above an imported module count too (importing tools.capture_cost runs tools/
+__init__.py), but not a module's own packages (runtime/cuda_graphs/capture.py is inside runtime/, whatever it imports).
 Relative imports are resolved. What the files do not say is not seen: `importlib.import_module` of a
 computed name, and scripts that tests run in subprocesses (their imports run in another process).
 """
@@ -132,7 +132,7 @@ def describe(cycle: list[str], graph: dict[str, dict[str, int]], modules: dict[s
 
 def test_the_repository_has_no_import_circle():
     graph, modules = import_graph(REPO), repository_modules(REPO)
-    assert len(graph) > 100 and "training" in graph and "perf.cuda_graphs.capture" in graph and "perf.tools.memory" in graph  # it read the tree
+    assert len(graph) > 100 and "runtime.training" in graph and "runtime.cuda_graphs.capture" in graph and "tools.memory" in graph  # it read the tree
     found = [describe(c, graph, modules, REPO) for c in cycles(graph)]
     assert found == [], "import circles (break each by moving what both sides need to a module of its own):\n" \
         + "\n".join(found)
@@ -173,58 +173,102 @@ def test_no_circle_once_it_is_broken(repo):
 
 
 # ----------------------------------------------------------------------------------------------------
-# the house plan: what a run executes apart from the tools (perf/__init__.py)
+# the house plan: one layer per folder, each importing only the layers below it (docs/design.md)
 # ----------------------------------------------------------------------------------------------------
 
-TOOLS = ("perf.tools", "perf.gpu_check")      # run as commands; gpu_check stays where the GPU runbook calls it
-CHECKS = ("perf.checks",)                      # called by the run, off the clock
-RUN_ENTRY_POINTS = ("train_gpt", "training", "evaluate")
+# A room is a top-level folder or a top-level module; tests/ is left out. Bottom first.
+LAYERS = (
+    ("config",),                          # the run's settings: frozen dataclasses and the presets
+    ("cli",),                             # the command-line plumbing every entry point (and module main) shares
+    ("ops", "transfer"),                  # what the math computes with (kernels and their twins, fp8, attention
+                                          # backends, residual fusions, the backend), and how bytes move
+    ("model", "optim", "data"),           # the math: the network, its optimizers and schedule, the batches
+    ("runtime",),                         # the run's machinery: Setup/Run, checkpoints, compile, graphs, guards
+    ("records",),                         # what runs leave: logs, runs.jsonl, the report, certification
+    ("train_gpt", "evaluate"),            # the entry points
+    ("tools",),                           # commands no run imports: cost, memory, cross-compile, benches, gpu_check
+)
+MAX_ROOM_SHARE = 0.40  # issue 39: no room holds more than 40% of the code's lines
 
 
-def _under(name: str, prefixes) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
+def room(module: str) -> str:
+    return module.split(".")[0]
 
 
-def reachable(graph: dict[str, dict[str, int]], start: str) -> dict[str, str]:
-    """{module: the module that first imported it} for everything `start` imports, at any depth."""
-    seen, todo = {start: ""}, [start]
-    while todo:
-        a = todo.pop()
-        for b in graph.get(a, {}):
-            if b not in seen:
-                seen[b] = a
-                todo.append(b)
-    return seen
+def layer_of(name: str) -> int | None:
+    return next((i for i, rooms in enumerate(LAYERS) if name in rooms), None)
 
 
-def split_violations(graph: dict[str, dict[str, int]]) -> list[str]:
-    broken = []
-    for entry in RUN_ENTRY_POINTS:  # a run never loads a tool, through any chain
-        if entry in graph:
-            via = reachable(graph, entry)
-            broken += [f"{entry} reaches the tool {m} (imported by {via[m]})" for m in via if _under(m, TOOLS)]
-    for name, imported in graph.items():
-        if _under(name, TOOLS) or name.startswith("tests"):
+def layer_violations(graph: dict[str, dict[str, int]], layers=LAYERS) -> list[str]:
+    """Every import of one room from another that does not go strictly down the layers, and every
+    room the plan does not place."""
+    of = {r: i for i, rooms in enumerate(layers) for r in rooms}
+    broken = sorted({f"{room(m)} is in no layer (tests/test_imports.py LAYERS)" for m in graph
+                     if room(m) != "tests" and room(m) not in of})
+    for name, imported in sorted(graph.items()):
+        a = room(name)
+        if a == "tests" or a not in of:
             continue
-        runtime = name.split(".")[0] in ("model", "optim", "data") or (
-            name.startswith("perf") and not _under(name, CHECKS))
-        broken += [f"{name} imports the tool {m}" for m in imported if _under(m, TOOLS)]
-        if runtime:  # what a step executes does not call the off-the-clock checks
-            broken += [f"{name} (run-time) imports the check {m}" for m in imported if _under(m, CHECKS)]
+        for target, line in sorted(imported.items()):
+            b = room(target)
+            if b != a and b in of and of[b] >= of[a]:
+                where = "up" if of[b] > of[a] else "across"
+                broken.append(f"{name} imports {target} (line {line}): {a} may not import {b}, {where} a layer")
     return broken
 
 
-def test_the_run_time_code_is_apart_from_the_checks_and_the_tools():
+def room_circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    rooms: dict[str, dict[str, int]] = {}
+    for name, imported in graph.items():
+        if room(name) == "tests":
+            continue
+        edges = rooms.setdefault(room(name), {})
+        for target, line in imported.items():
+            if room(target) not in ("tests", room(name)):
+                edges.setdefault(room(target), line)
+    return cycles(rooms)
+
+
+def test_every_import_goes_down_the_layers():
     graph = import_graph(REPO)
-    assert "perf.checks.preflight" in graph and "perf.tools.cross_compile" in graph and "perf.kernels.mlp" in graph
-    assert split_violations(graph) == []
+    assert {"ops.mlp", "transfer.streams", "runtime.training", "tools.cost", "records.certify"} <= set(graph)
+    assert layer_violations(graph) == []
 
 
-def test_the_split_rule_names_a_tool_reached_through_a_chain():
-    graph = {"train_gpt": {"training": 1}, "training": {"perf.fp8": 3}, "perf.fp8": {"perf.tools.memory": 9},
-             "perf.tools.memory": {}, "perf.kernels.mlp": {"perf.checks.cost": 1}, "perf.checks.cost": {}}
-    assert split_violations(graph) == [
-        "train_gpt reaches the tool perf.tools.memory (imported by perf.fp8)",
-        "training reaches the tool perf.tools.memory (imported by perf.fp8)",
-        "perf.fp8 imports the tool perf.tools.memory",
-        "perf.kernels.mlp (run-time) imports the check perf.checks.cost"]
+def test_no_circle_among_the_rooms():
+    assert room_circles(import_graph(REPO)) == []
+
+
+def test_no_room_holds_more_than_40_percent_of_the_code():
+    modules = repository_modules(REPO)
+    lines: dict[str, int] = {}
+    for name, path in modules.items():
+        if room(name) != "tests":
+            lines[room(name)] = lines.get(room(name), 0) + len(path.read_text().splitlines())
+    total = sum(lines.values())
+    assert total > 15_000 and {"ops", "runtime", "tools", "model"} <= set(lines)  # it read the tree
+    heavy = {r: f"{n / total:.0%}" for r, n in lines.items() if n > MAX_ROOM_SHARE * total}
+    assert heavy == {}, f"rooms over {MAX_ROOM_SHARE:.0%} of {total:,} lines: {heavy}"
+
+
+@pytest.mark.parametrize("module, imported, expected", [
+    ("ops.mlp", "model.gpt", "ops.mlp imports model.gpt (line 3): ops may not import model, up a layer"),
+    ("model.gpt", "runtime.training", "model.gpt imports runtime.training (line 3): model may not import runtime, up a layer"),
+    ("model.gpt", "tools.cost", "model.gpt imports tools.cost (line 3): model may not import tools, up a layer"),
+    ("model.gpt", "optim.anvil", "model.gpt imports optim.anvil (line 3): model may not import optim, across a layer"),
+    ("runtime.training", "train_gpt", "runtime.training imports train_gpt (line 3): runtime may not import train_gpt, up a layer"),
+])
+def test_an_import_up_or_across_the_layers_fails(module, imported, expected):
+    graph = {"ops.fp8": {}, "model.gpt": {"ops.fp8": 1}, "runtime.training": {"model.gpt": 2, "ops.fp8": 1},
+             "tools.cost": {"runtime.training": 1}, "train_gpt": {"runtime.training": 1}, "optim.anvil": {"ops.fp8": 4},
+             "ops.mlp": {}}
+    assert layer_violations(graph) == []  # the hand-made tree is layered
+    graph[module] = {**graph[module], imported: 3}
+    assert layer_violations(graph) == [expected]
+
+
+def test_a_room_outside_the_plan_fails_and_a_circle_of_rooms_is_named():
+    graph = {"scratch": {"model.gpt": 1}, "model.gpt": {}}
+    assert layer_violations(graph) == ["scratch is in no layer (tests/test_imports.py LAYERS)"]
+    graph = {"model.gpt": {"runtime.training": 5}, "runtime.training": {"model.gpt": 2}}
+    assert room_circles(graph) == [["model", "runtime", "model"]]

@@ -187,7 +187,7 @@ def test_ensure_keeps_a_complete_folder_and_rewrites_a_damaged_one(tmp_path):
 def test_the_smoke_preset_writes_its_corpus_on_first_use(tmp_path, synthetic_shards, monkeypatch):
     """config_check.data_problems on the smoke preset's folder: a complete copy is only checked; a
     folder missing its validation shard is rewritten, to the default corpus's bytes."""
-    from config_check import data_problems
+    from runtime.config_check import data_problems
     from optim.schedule import TrainingSchedule
 
     folder = tmp_path / "synthetic"

@@ -13,8 +13,8 @@ from config import RUN_PRESETS
 from data.loader import cu_seqlens_rows
 from model.gpt import GPT, StepArgs
 from optim.schedule import TrainingSchedule
-from perf import backend as perf_backend
-from perf.compile import compiled_graphs
+from ops import backend as perf_backend
+from runtime.compile import compiled_graphs
 
 RECORD_WORLD = 8
 

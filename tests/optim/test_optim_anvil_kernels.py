@@ -1,4 +1,4 @@
-"""The ANVIL / NorMuon cascades run their symmetric products through perf/kernels/symmetric_matmul.py:
+"""The ANVIL / NorMuon cascades run their symmetric products through ops/symmetric_matmul.py:
 the portable path is still the plain formula (bitwise), and the Triton path (interpreter on CPU)
 calls the kernels and lands as close to an fp64 cascade as the portable path does."""
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 from optim.anvil import ANVIL_MAPS, anvil_cascade, quintic_maps
 from optim.normuon import POLAR_EXPRESS_MAPS, polar_express
-from perf.backend import use_backend
-from perf.kernels import symmetric_matmul as sm
+from ops.backend import use_backend
+from ops import symmetric_matmul as sm
 
 SHAPES = [(2, 24, 40), (2, 48, 32)]  # wide (X X^T, left multiply) and tall (X^T X, right multiply)
 

@@ -1,5 +1,5 @@
 """The optimizer against the real model and the kernels it calls: the tied embed/lm_head transposes
-(perf/kernels/transpose.py), the parameter table over the real GPT, the frozen MLP slot 7."""
+(ops/transpose.py), the parameter table over the real GPT, the frozen MLP slot 7."""
 import pytest
 import torch
 
@@ -8,8 +8,8 @@ from optim.adam import EMBED, LM_HEAD, RECORD_PARAM_TABLE
 from optim.manager import OptimizerManager
 from optim.schedule import TrainingSchedule
 from optim.standin import StandInParams
-from perf.backend import use_backend
-from perf.kernels import transpose as tr
+from ops.backend import use_backend
+from ops import transpose as tr
 
 RECORD = TrainingSchedule(ScheduleConfig())
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from records.run_log import (_STEP_RE, REPO_ROOT, RunLog, format_peak_memory_line, format_step_line,
-                             format_val_line, parse_log, run_source_files)
+                             format_val_line, parse_log)
+from runtime.source import run_source_files
 
 
 def test_log_holds_the_imported_project_modules_and_parses_back(tmp_path):
@@ -24,7 +25,7 @@ def test_log_holds_the_imported_project_modules_and_parses_back(tmp_path):
                 if isinstance(getattr(m, "__file__", None), str) and m.__file__.endswith(".py")}
     expected = sorted(p.relative_to(REPO_ROOT).as_posix() for p in imported
                       if p.is_relative_to(REPO_ROOT) and p.is_file() and p.relative_to(REPO_ROOT).parts[0] != "tests"
-                      and p.relative_to(REPO_ROOT).parts[:2] != ("perf", "tools"))
+                      and p.relative_to(REPO_ROOT).parts[0] != "tools")
     parsed = parse_log(text)
     assert sorted(parsed.sources) == expected
     assert "records/run_log.py" in parsed.sources and Path(__file__).resolve() in imported
@@ -42,7 +43,7 @@ def test_log_holds_the_imported_project_modules_and_parses_back(tmp_path):
 
 def test_run_source_leaves_out_tests_tools_venvs_and_other_files(tmp_path, monkeypatch):
     root = tmp_path / "repo"
-    files = ["train_gpt.py", "model/gpt.py", "tests/test_x.py", "perf/tools/cost.py", ".venv/lib/x.py",
+    files = ["train_gpt.py", "model/gpt.py", "tests/test_x.py", "tools/cost.py", ".venv/lib/x.py",
              "venv/lib/python3.12/site-packages/pkg/mod.py", "model/__pycache__/gpt.py", "notes.txt"]
     for name in files:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +105,7 @@ def test_refuses_to_overwrite(tmp_path):
 
 
 def test_a_record_log_with_training_loss_lines_still_parses_with_upstream_patterns(tmp_path):
-    """The curve points (`step:s/N train_loss:x`, perf/loss_watch.py) sit among a record log's lines;
+    """The curve points (`step:s/N train_loss:x`, runtime/loss_watch.py) sit among a record log's lines;
     upstream's patterns (unanchored searches, as its scripts run them: hand-written here) and ours
     read the step, val and memory lines as before, and ours reads the points too."""
     from records.run_log import format_train_loss_line

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from records.run_log import format_val_line
-from records.run_record import NonFiniteLossError, RunRecorder, check_finite
+from records.run_record import RunRecorder
+from runtime.loss_watch import NonFiniteLossError, check_finite
 
 
 def _recorder(tmp_path, **kw):

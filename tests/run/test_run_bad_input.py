@@ -197,7 +197,7 @@ def test_as_a_process_rank_0_prints_and_records_other_ranks_only_exit(shards, tm
 
 def test_a_good_configuration_passes_the_check(shards):
     """The check refuses nothing the smoke run needs (the whole schedule, validation every 35 steps)."""
-    from config_check import check_run
+    from runtime.config_check import check_run
 
     cfg, args = train_gpt.parse_args(["--config", "smoke", "--data-path", str(shards), "--val-tokens", "32768"])
     check_run(cfg, args, env={})
@@ -209,18 +209,18 @@ def test_a_good_configuration_passes_the_check(shards):
     ("optim.schedule", ["--world-size", "0"], "argument --world-size: 0: must be a positive integer"),
     ("model.summary", ["--world-size", "-8"], "argument --world-size: -8: must be a positive integer"),
     ("model.summary", ["--config", "huge"], "argument --config: invalid choice: 'huge'"),
-    ("perf.tools.memory", ["--world-size", "0"], "argument --world-size: 0: must be a positive integer"),
-    ("perf.tools.memory", ["--config", "smoke", "--world-size", "3"], "--world-size 3: must divide --config smoke's 2 ranks"),
-    ("perf.checks.cost", ["--config", "dev", "--world-size", "3"], "--world-size 3: must divide --config dev's 8 ranks"),
-    ("perf.tools.capture_contract", ["--steps", "2"], "--steps 2: must be in [3, 70]"),
-    ("perf.tools.capture_contract", ["--config", "smoek"], "did you mean smoke?"),
-    ("perf.checks.preflight", ["--config", "smoke", "--records-dir", "/proc/speedrun"], "--records-dir /proc/speedrun: "
+    ("tools.memory", ["--world-size", "0"], "argument --world-size: 0: must be a positive integer"),
+    ("tools.memory", ["--config", "smoke", "--world-size", "3"], "--world-size 3: must divide --config smoke's 2 ranks"),
+    ("tools.cost", ["--config", "dev", "--world-size", "3"], "--world-size 3: must divide --config dev's 8 ranks"),
+    ("tools.capture_contract", ["--steps", "2"], "--steps 2: must be in [3, 70]"),
+    ("tools.capture_contract", ["--config", "smoek"], "did you mean smoke?"),
+    ("runtime.preflight", ["--config", "smoke", "--records-dir", "/proc/speedrun"], "--records-dir /proc/speedrun: "
                                                                                  "cannot write there"),
     ("records.certify", ["--baseline", "HEAD", "--candidate", "HEAD", "--runs", "1"], "--runs 1: needs at least 2"),
-    ("perf.tools.bench_loader", ["--steps", "0"], "argument --steps: 0: must be a positive integer"),
-    ("perf.tools.bench_optim", ["--world-size", "x"], "argument --world-size: 'x' is not an integer"),
-    ("perf.tools.bench_residual_fusion", ["--candidates", "-1"], "argument --candidates: -1: must be an integer >= 0"),
-    ("perf.tools.bench_rows", ["--text", "/nonexistent.txt"], "--text /nonexistent.txt: no such file"),
+    ("tools.bench_loader", ["--steps", "0"], "argument --steps: 0: must be a positive integer"),
+    ("tools.bench_optim", ["--world-size", "x"], "argument --world-size: 'x' is not an integer"),
+    ("tools.bench_residual_fusion", ["--candidates", "-1"], "argument --candidates: -1: must be an integer >= 0"),
+    ("tools.bench_rows", ["--text", "/nonexistent.txt"], "--text /nonexistent.txt: no such file"),
 ])
 def test_every_entry_point_refuses_in_one_line(module, argv, message, capsys):
     import importlib

@@ -1,4 +1,4 @@
-"""Checkpoints (training.py save_checkpoint / read_checkpoint / load_checkpoint), without a training run.
+"""Checkpoints (runtime/checkpoints.py save_checkpoint / read_checkpoint / load_checkpoint), without a training run.
 
 A checkpoint holds what evaluation reads (issue #32 point 6: no optimizer state) and loads at any
 world size (issue #30 point 5): the n-gram rows saved by W ranks land in the shards of W' ranks, read
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import train_gpt
-import training
+from runtime import checkpoints
 from config import RUN_PRESETS
-from config_check import checkpoint_problems
+from runtime.config_check import checkpoint_problems
 from model.embeddings import NgramTable
 
 # the smoke preset with a 64-row n-gram table (8 rows per rank at W=8): small enough to check by hand
@@ -53,7 +53,7 @@ def full_table(seed: int = 0) -> torch.Tensor:
 
 def save_by(world: int, full: torch.Tensor, logs: Path, step: int = 5, run_id: str = "run") -> Path:
     """The checkpoint `world` ranks write at `step` (every rank calls save_checkpoint, as in a run)."""
-    folders = {training.save_checkpoint(fake_run(r, world, full, fill=1.5), step, logs, run_id) for r in range(world)}
+    folders = {checkpoints.save_checkpoint(fake_run(r, world, full, fill=1.5), step, logs, run_id) for r in range(world)}
     (folder,) = folders
     return folder
 
@@ -73,11 +73,11 @@ def test_rows_saved_by_w_ranks_land_in_the_shards_of_w_prime(saved, saved_by, lo
     """Each loading rank's shard equals the full table sliced by hand at its own [lo, hi), with
     pieces of 3 rows, so pieces straddle the saved shards' boundaries (8 rows at W=8)."""
     folders, full = saved
-    monkeypatch.setattr(training, "CHECKPOINT_CHUNK_BYTES", 3 * DIM * 2)
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_CHUNK_BYTES", 3 * DIM * 2)
     per_rank = CFG.model.ngram_rows // loaded_by
     for rank in range(loaded_by):
         run = fake_run(rank, loaded_by)
-        assert training.load_checkpoint(run, folders[saved_by]) == 5
+        assert checkpoints.load_checkpoint(run, folders[saved_by]) == 5
         assert torch.equal(run.table.rows, full[rank * per_rank:(rank + 1) * per_rank])
         assert torch.equal(run.model.w, torch.full((3, 2), 1.5)) and run.model.refreshed == 1
 
@@ -97,10 +97,10 @@ def test_only_the_overlapping_rows_are_read_in_pieces():
     """A shard of rows [20, 44) of a table saved as 8 shards of 8 rows: the copy reads shards 2-5
     only, rows [4, 8) of shard 2, all of 3 and 4, [0, 4) of 5, in pieces of at most 3 rows."""
     full, log = full_table(1), []
-    shards = [training.SavedShard(Path(f"rank{r}.pt"), 8 * r, 8 * r + 8, RecordingRows(full[8 * r:8 * r + 8], log, r))
+    shards = [checkpoints.SavedShard(Path(f"rank{r}.pt"), 8 * r, 8 * r + 8, RecordingRows(full[8 * r:8 * r + 8], log, r))
               for r in range(8)]
     dst = torch.zeros(24, DIM, dtype=torch.bfloat16)
-    assert training.copy_overlapping_rows(dst, 20, shards, chunk_rows=3) == 24
+    assert checkpoints.copy_overlapping_rows(dst, 20, shards, chunk_rows=3) == 24
     assert torch.equal(dst, full[20:44])
     assert log == [(2, 4, 7), (2, 7, 8), (3, 0, 3), (3, 3, 6), (3, 6, 8), (4, 0, 3), (4, 3, 6), (4, 6, 8),
                    (5, 0, 3), (5, 3, 4)]
@@ -111,7 +111,7 @@ def test_the_rank_files_are_memory_mapped_not_read(saved):
     """read_checkpoint's rows live in a mapping of their rank file (torch.load mmap=True): the host
     holds no copy of a shard; pages are read as the copy touches them."""
     folders, _ = saved
-    checkpoint = training.read_checkpoint(folders[2], CFG)
+    checkpoint = checkpoints.read_checkpoint(folders[2], CFG)
     maps = Path("/proc/self/maps").read_text().splitlines()
     for shard in checkpoint.shards:
         ptr = shard.rows.data_ptr()
@@ -147,29 +147,29 @@ def test_the_files_hold_exactly_what_loading_reads(saved, monkeypatch):
     folder = folders[2]
     assert sorted(p.name for p in folder.iterdir()) == ["model.pt", "rank0.pt", "rank1.pt"]
     files = {p.name: torch.load(p, weights_only=True) for p in folder.iterdir()}
-    assert set(files["model.pt"]) == training.MODEL_FILE_KEYS == {"step", "config", "world_size", "model", "code"}
+    assert set(files["model.pt"]) == checkpoints.MODEL_FILE_KEYS == {"step", "config", "world_size", "model", "code"}
     for name in ("rank0.pt", "rank1.pt"):
-        assert set(files[name]) == training.SHARD_FILE_KEYS == {"step", "ngram_lo", "ngram_hi", "ngram_rows"}
-    assert "# training.py" in files["model.pt"]["code"]
+        assert set(files[name]) == checkpoints.SHARD_FILE_KEYS == {"step", "ngram_lo", "ngram_hi", "ngram_rows"}
+    assert "# runtime/training.py" in files["model.pt"]["code"]
 
     read = {}
-    load_mapped = training._load_mapped
-    monkeypatch.setattr(training, "_load_mapped",
+    load_mapped = checkpoints._load_mapped
+    monkeypatch.setattr(checkpoints, "_load_mapped",
                         lambda path, what: RecordingDict(load_mapped(path, what), read.setdefault(path.name, set())))
-    training.load_checkpoint(fake_run(0, 1), folder)
-    assert read == {"model.pt": training.MODEL_FILE_KEYS - {"code"},
-                    "rank0.pt": training.SHARD_FILE_KEYS, "rank1.pt": training.SHARD_FILE_KEYS}
+    checkpoints.load_checkpoint(fake_run(0, 1), folder)
+    assert read == {"model.pt": checkpoints.MODEL_FILE_KEYS - {"code"},
+                    "rank0.pt": checkpoints.SHARD_FILE_KEYS, "rank1.pt": checkpoints.SHARD_FILE_KEYS}
 
 
 def test_without_the_ngram_table_there_is_no_rank_file(tmp_path):
     cfg = dataclasses.replace(CFG, features=dataclasses.replace(CFG.features, ngram=False))
     run = fake_run(0, 1, cfg=cfg)
     run.table = None
-    folder = training.save_checkpoint(run, 3, tmp_path, "run")
+    folder = checkpoints.save_checkpoint(run, 3, tmp_path, "run")
     assert [p.name for p in folder.iterdir()] == ["model.pt"]
     loaded = fake_run(0, 1, cfg=cfg)
     loaded.table = None
-    assert training.load_checkpoint(loaded, folder) == 3
+    assert checkpoints.load_checkpoint(loaded, folder) == 3
 
 
 # ---- bad checkpoints: one line naming the file and what was expected --------------------------------
@@ -211,21 +211,21 @@ def _bad_checkpoints(saved, tmp: Path):
         ("a missing rank file", gap, CFG, FileNotFoundError,
          [f"{gap / 'rank1.pt'}: missing; model.pt says 2 rank(s) saved this checkpoint, so n-gram rows [32, 64) "
           "are in no file"]),
-        ("a table of another size", folders[2], bigger, training.CheckpointError,
+        ("a table of another size", folders[2], bigger, checkpoints.CheckpointError,
          ["saved by a --config smoke run whose model differs from --config smoke's (ngram_rows)"]),
-        ("a rank file of another world size", mixed, CFG, training.CheckpointError,
+        ("a rank file of another world size", mixed, CFG, checkpoints.CheckpointError,
          [f"{mixed / 'rank1.pt'}: holds n-gram rows [16, 32) shaped (16, {DIM}), expected rank 1 of 2's rows [32, 64) "
           "of the 64-row table"]),
-        ("rows of another width", narrow, CFG, training.CheckpointError,
+        ("rows of another width", narrow, CFG, checkpoints.CheckpointError,
          [f"{narrow / 'rank0.pt'}: holds n-gram rows [0, 64) shaped (64, 4), expected", f"shaped (64, {DIM})"]),
-        ("a rank file of another step", stale, CFG, training.CheckpointError,
+        ("a rank file of another step", stale, CFG, checkpoints.CheckpointError,
          [f"{stale / 'rank1.pt'}: saved at step 7, model.pt at step 5"]),
-        ("a rank file too many", stray, CFG, training.CheckpointError,
+        ("a rank file too many", stray, CFG, checkpoints.CheckpointError,
          [f"{stray / 'rank2.pt'}: model.pt says 2 rank(s) saved this checkpoint, expected rank0.pt .. rank1.pt only"]),
-        ("a foreign model.pt", foreign, CFG, training.CheckpointError, [f"{foreign / 'model.pt'}: no run config in it"]),
-        ("a model.pt that is no torch file", text, CFG, training.CheckpointError,
+        ("a foreign model.pt", foreign, CFG, checkpoints.CheckpointError, [f"{foreign / 'model.pt'}: no run config in it"]),
+        ("a model.pt that is no torch file", text, CFG, checkpoints.CheckpointError,
          [f"{text / 'model.pt'}: cannot be read as a --save-checkpoint model.pt (RuntimeError: "]),
-        ("a model.pt that would run code to load", pickled, CFG, training.CheckpointError,
+        ("a model.pt that would run code to load", pickled, CFG, checkpoints.CheckpointError,
          [f"{pickled / 'model.pt'}: cannot be read as a --save-checkpoint model.pt (UnpicklingError: "]),
     ]
 
@@ -236,7 +236,7 @@ def test_a_bad_checkpoint_is_one_line_naming_the_file(saved, tmp_path, monkeypat
     for case, folder, cfg, error, expected in _bad_checkpoints(saved, tmp_path):
         run = fake_run(0, 1, cfg=cfg)
         with pytest.raises(error) as caught:
-            training.load_checkpoint(run, folder)
+            checkpoints.load_checkpoint(run, folder)
         line = str(caught.value)
         assert "\n" not in line and all(e in line for e in expected), (case, line)
         assert not run.table.rows.any() and run.model.refreshed == 0, case
@@ -259,7 +259,7 @@ def test_train_gpt_refuses_a_checkpoint_with_a_gap_at_load_too(tmp_path, monkeyp
     load_checkpoint in the run: exit 2, one line, a `failed` runs.jsonl line, no traceback."""
     smoke = RUN_PRESETS["smoke"]
     runs = [fake_run(r, 2, cfg=smoke) for r in range(2)]
-    folder = {training.save_checkpoint(run, 4, tmp_path / "logs", "run") for run in runs}.pop()
+    folder = {checkpoints.save_checkpoint(run, 4, tmp_path / "logs", "run") for run in runs}.pop()
     (folder / "rank1.pt").unlink()
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)

@@ -3,7 +3,7 @@ log-likelihoods against the validation forward summed by hand, sampling, 2 ranks
 and bad input.
 
 The checkpoint is the smoke model moved off its init (every weight and n-gram row random, so the
-scores depend on each of them: the row exchange included) and written by training.save_checkpoint,
+scores depend on each of them: the row exchange included) and written by checkpoints.save_checkpoint,
 the writer of train_gpt.py --save-checkpoint: a training run would cost CI seconds and leave most
 n-gram rows at zero. The tests that score tasks need lm-eval (requirements-eval.txt, which CI installs).
 """
@@ -23,9 +23,10 @@ from config import RUN_PRESETS
 from data.loader import Batch, cu_seqlens_rows, padded_cu_seqlens
 from data.ngram import ngram_row_ids, ngram_sign_rows
 from model.gpt import StepArgs
-from perf import backend as perf_backend
+from ops import backend as perf_backend
 from tests.gloo_workers import run_workers
-from training import Run, Setup, save_checkpoint
+from runtime.checkpoints import save_checkpoint
+from runtime.training import Run, Setup
 
 needs_harness = pytest.mark.skipif(not evaluate.harness_available(),
                                    reason="lm-eval not installed (pip install -r requirements-eval.txt)")

@@ -13,16 +13,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import training
+from runtime import training
 from cli import apply_overrides
 from config import RUN_PRESETS, ConfigError, FeatureConfig, features_line
-from config_check import checkpoint_problems
+from runtime.config_check import checkpoint_problems
 from data.loader import NO_NGRAM, dummy_batch
 from model.gpt import GPT, StepArgs
 from optim.manager import OptimizerManager
 from optim.schedule import StepWeights, TrainingSchedule
 from optim.tail_average import TailAverages
-from perf import backend as perf_backend
+from ops import backend as perf_backend
 
 SMOKE = RUN_PRESETS["smoke"]
 FEATURES = [f.name for f in dataclasses.fields(FeatureConfig)]
@@ -91,7 +91,7 @@ def test_ngram_off_allocates_no_table_exchange_sign_pool_or_hashes(monkeypatch):
     assert run.hash_sizes == NO_NGRAM
     batch = _batches(run, 0)[0]
     assert batch.ngram_ids is None and batch.ngram_sign_rows is None
-    from perf.cuda_graphs.state import run_state
+    from runtime.cuda_graphs.state import run_state
     assert not [name for name, _ in run_state(run) if "ngram" in name]
     _forbid(monkeypatch, model.gpt, "ngram_embed")  # no embedding, so no injection
     run.train_step(0, _batches(run, 0))
@@ -249,8 +249,8 @@ def test_fp8_off_runs_bf16_gemms_and_keeps_no_fp8_cache():
 def test_tools_show_the_switches(capsys):
     from model import summary
     from optim import schedule
-    from perf.tools.memory import static_items
-    from perf.checks.meta_rank import build_rank_on_meta
+    from tools.memory import static_items
+    from runtime.meta_rank import build_rank_on_meta
     summary.main(["--config", "smoke", "--set", "features.ngram=false"])
     out = capsys.readouterr().out
     assert "n-gram table: none (features.ngram off" in out and "ngram_sign_pool" not in out

@@ -20,7 +20,7 @@ import train_gpt
 from config import RUN_PRESETS
 from model.gpt import GPT
 from records.run_log import REPO_ROOT, parse_log
-from records.run_record import NonFiniteLossError
+from runtime.loss_watch import NonFiniteLossError
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def _three_steps_in_process(shards, records, overlap: str, *extra) -> tuple[dict
     and on 2 gloo ranks), which an earlier machine did not."""
     from dataclasses import asdict
 
-    from perf import backend as perf_backend
+    from ops import backend as perf_backend
 
     backend = perf_backend.detect(env={**os.environ, "SPEEDRUN_OVERLAP": overlap})
     threads = torch.get_num_threads()
@@ -145,7 +145,7 @@ def eager_three_steps(tmp_path_factory, shards):
 
 
 def test_a_cpu_run_records_tokens_per_second_its_overrides_and_no_mfu(eager_three_steps):
-    """perf/checks/cost.py's RunCost on a CPU: tokens/s in the last step line and in runs.jsonl; no MFU (no
+    """tools/cost.py's RunCost on a CPU: tokens/s in the last step line and in runs.jsonl; no MFU (no
     device peak to measure against); the --set assignments logged and recorded."""
     from optim.schedule import TrainingSchedule
 
@@ -225,7 +225,7 @@ def test_warmup_then_reset_leaves_no_trace(tmp_path, shards, eager_three_steps):
 
 
 def test_compiled_and_eager_losses_agree_for_three_steps(tmp_path, shards, eager_three_steps):
-    from perf import backend as perf_backend
+    from ops import backend as perf_backend
 
     torch._dynamo.reset()
     try:
@@ -279,7 +279,7 @@ def _sync_in_row_exchange(monkeypatch):
 
 
 def _sync_in_loss_watch(monkeypatch):
-    from perf.loss_watch import LossWatch
+    from runtime.loss_watch import LossWatch
 
     original = LossWatch.observe
 
@@ -294,8 +294,8 @@ def _sync_in_loss_watch(monkeypatch):
                                            (_sync_in_row_exchange, "row exchange"),
                                            (_sync_in_loss_watch, "loss watch")])
 def test_sync_check_names_an_injected_sync(tmp_path, shards, monkeypatch, inject, where):
-    from perf import backend as perf_backend
-    from perf.checks.sync_check import HostSyncError
+    from ops import backend as perf_backend
+    from runtime.sync_check import HostSyncError
 
     inject(monkeypatch)
     with perf_backend.use_backend(sync_check=True, host_checks=False):
@@ -308,7 +308,7 @@ def test_sync_check_names_an_injected_sync(tmp_path, shards, monkeypatch, inject
 
 
 def test_sync_check_passes_a_clean_run(tmp_path, shards):
-    from perf import backend as perf_backend
+    from ops import backend as perf_backend
 
     with perf_backend.use_backend(sync_check=True, host_checks=False):  # the logging steps' loss watch too
         _main(tmp_path, "--data-path", str(shards), "--max-steps", "4", "--set", "log_train_loss=false")
@@ -351,9 +351,9 @@ def test_a_compiled_run_whose_warmup_compiled_nothing_stops_before_the_clock(tmp
     """A compile that silently does not happen (a torch that declines the model, a wrapper that
     returns it as it is; torch 2.13's fullgraph refuses a dynamo switched off by itself, 2.10 may
     not): the run must not time the eager model."""
-    import training
-    from perf import backend as perf_backend
-    from perf.compile import NothingCompiled
+    from runtime import training
+    from ops import backend as perf_backend
+    from runtime.compile import NothingCompiled
 
     monkeypatch.setattr(training, "compile_model", lambda model, backend=None: model)  # the fault
     with perf_backend.use_backend(compile=True, compile_backend="aot_eager"):
@@ -423,7 +423,7 @@ def test_the_progress_bar_stays_out_of_a_record_runs_console():
 def test_a_compiled_warmup_names_each_graph_it_compiles(tmp_path, shards):
     """SPEEDRUN_COMPILE=1 with aot_eager: one progress line per graph compiled in the warmup (n of
     the plan's N), and as many lines as dynamo's own count of the warmup's graphs."""
-    from perf import backend as perf_backend
+    from ops import backend as perf_backend
 
     torch._dynamo.reset()
     try:

@@ -43,7 +43,7 @@ FP8_WORKER = textwrap.dedent("""
     import torch
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    import training
+    from runtime import training
     from config import RUN_PRESETS
     from data.loader import dummy_batch
 

@@ -1,2 +1,0 @@
-"""CUDA-graph capture and replay of a step's regions (capture.py) and the low-level state readers it
-shares with the contract check (state.py; the check itself: perf/tools/capture_contract.py)."""

@@ -1,0 +1,456 @@
+"""A training step's FLOPs and bytes, counted on "meta" from the project's own code, one geometry at a time.
+
+`FlopCounter` is a dispatch mode that sees every op of one forward and backward of the run built on
+"meta" (runtime/meta_rank.py); `count_geometries` counts each geometry of the schedule. A run on a GPU
+whose peak is known takes its MFU's numerator from here (runtime/throughput.py); the cost tool
+(tools/cost.py) adds the optimizer, the bytes sent and the floors, and documents the counting rules.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from config import RunConfig
+from runtime.meta_rank import PORTABLE_BACKEND, build_rank_on_meta, each_with_progress, geometries, meta_step, storage_key
+from runtime.throughput import GEMM_KINDS, DevicePeak
+
+aten = torch.ops.aten
+KINDS = GEMM_KINDS + ("pointwise",)
+
+
+# ----------------------------------------------------------------------------------------------------
+# counting FLOPs and bytes
+# ----------------------------------------------------------------------------------------------------
+
+# allocations: nothing read or written (the op that fills the tensor is counted)
+_ALLOCATIONS = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.empty_like}
+# gathers read only the rows they return from their first operand (embedding: the table)
+_GATHERS = {aten.embedding, aten.index, aten.index_select, aten.gather}
+# in-place scatters read and write only the rows their source covers in their first operand
+_SCATTERS = {aten.index_put_, aten._index_put_impl_, aten.index_add_, aten.scatter_add_, aten.index_copy_,
+             aten.scatter_}
+BYTE_KINDS = ("pointwise", "copy and cast", "gather and scatter", "other", "fused kernel")
+
+
+def footprint(t: torch.Tensor) -> int:
+    """Bytes an op moves for tensor t: its elements at its dtype, a broadcast (stride 0) dimension once."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class _Node:
+    """One op (or one fused kernel) of the byte count: what it moved and whether it is memory-bound."""
+    __slots__ = ("memory_bound",)
+
+    def __init__(self, memory_bound: bool):
+        self.memory_bound = memory_bound
+
+
+class FlopCounter(TorchDispatchMode):
+    """FLOPs and bytes of every op dispatched inside it (see the module docstring).
+
+    flops: by kind. gemm_ops: Counter[(kind, flops, bytes)] of every GEMM and attention call, each with
+    the bytes of its operands and result, for a roofline (time = max(FLOPs at peak, bytes at HBM
+    bandwidth)). bytes: the memory-bound ops' traffic by BYTE_KINDS, unfused: each op reads its
+    inputs and writes its outputs at their dtypes (views and allocations are free). `fusable()`: what
+    fusing each memory-bound op into its only reader would save (see there). Inside `kernel(...)`
+    (the Triton kernels' portable twins, `fused_kernels`) a whole call is one op: the tensors it reads
+    from outside and the tensors it returns or writes in place, its internal temporaries free."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops: collections.Counter[str] = collections.Counter()
+        self.gemm_ops: collections.Counter[tuple[str, int, int]] = collections.Counter()
+        self.bytes: collections.Counter[str] = collections.Counter()
+        # the value each storage holds now: (producing node, bytes written, [(reading node, bytes)])
+        self._values: dict[int, tuple[_Node | None, int, list]] = {}
+        self._finished: list[tuple[_Node | None, int, list]] = []
+        self._alive: list = []  # storages held, so that no key is reused while counting
+        self._region: dict | None = None
+
+    # --- the graph of values, for the fusion estimate ---
+    def _read(self, node: _Node, key: int, nbytes: int) -> None:
+        self._values.setdefault(key, (None, 0, []))[2].append((node, nbytes))
+
+    def _write(self, node: _Node, t: torch.Tensor, nbytes: int) -> None:
+        key = storage_key(t)
+        if key in self._values:
+            self._finished.append(self._values[key])
+        else:
+            self._alive.append(t.untyped_storage())
+        self._values[key] = (node, nbytes, [])
+
+    def fusable(self) -> int:
+        """Bytes that vertical fusion would save: a value written by a memory-bound op and read by
+        exactly one op, itself memory-bound, need not be written nor read (the producer computes into
+        its reader). Values read twice or more, or by a GEMM, attention or nothing, stay. An estimate
+        of what torch.compile's fusion removes from the unfused count, not a measurement."""
+        saved = 0
+        for node, written, readers in [*self._finished, *self._values.values()]:
+            if node is not None and node.memory_bound and len(readers) == 1 and readers[0][0].memory_bound:
+                saved += written + readers[0][1]
+        return saved
+
+    # --- one op ---
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        gemm = None
+        if packet in _FP8_CUSTOM_GEMMS:  # ops/fp8.py's opaque ops: [M, K] @ [K, N] in fp8
+            (m, k), n = args[0].shape, args[1].shape[1]
+            gemm = ("fp8 GEMM", 2 * m * k * n)
+        elif packet in flop_registry:
+            gemm = (gemm_kind(packet, args), flop_registry[packet](*args, **kwargs, out_val=out))
+        elif torch.Tag.pointwise in func.tags and isinstance(out, torch.Tensor):
+            self.flops["pointwise"] += out.numel()
+        if gemm is not None:
+            self.flops[gemm[0]] += gemm[1]
+        self._count_bytes(func, packet, args, kwargs, out, gemm)
+        return out
+
+    def _count_bytes(self, func, packet, args, kwargs, out, gemm) -> None:
+        if packet in _ALLOCATIONS:
+            for t in _tensors(out):
+                if self._region is not None:
+                    self._region["fresh"].add(storage_key(t))
+                else:
+                    self._write(_Node(False), t, 0)  # a fresh storage, nothing moved
+            return
+        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+        mutable = func._schema.is_mutable
+        in_keys = {storage_key(t) for t in inputs}
+        if not mutable and outputs and all(storage_key(t) in in_keys for t in outputs):
+            return  # a view (or an alias): no bytes
+        reads: dict[int, int] = {}
+        writes: list[tuple[torch.Tensor, int]] = []
+        for i, t in enumerate(inputs):
+            nbytes = footprint(t)
+            if i == 0 and packet in _GATHERS and outputs:
+                nbytes = min(nbytes, footprint(outputs[0]))
+            elif i == 0 and packet in _SCATTERS:
+                nbytes = min(nbytes, max((footprint(u) for u in inputs[1:]), default=0))
+            elif i == 0 and packet is aten.copy_:
+                continue  # the destination is written, not read
+            reads[storage_key(t)] = max(reads.get(storage_key(t), 0), nbytes)
+        for t in outputs:
+            nbytes = footprint(t)
+            if packet in _SCATTERS:
+                nbytes = min(nbytes, max((footprint(u) for u in inputs[1:]), default=0))
+            writes.append((t, nbytes))
+        if self._region is not None:
+            self._region_op(reads, writes, gemm, mutable)
+            return
+        node = _Node(gemm is None)
+        for key, nbytes in reads.items():
+            self._read(node, key, nbytes)
+        for t, nbytes in writes:
+            self._write(node, t, nbytes)
+        total = sum(reads.values()) + sum(nbytes for _, nbytes in writes)
+        if gemm is not None:
+            self.gemm_ops[(gemm[0], gemm[1], total)] += 1
+        else:
+            self.bytes[_byte_kind(func, packet)] += total
+
+    # --- a fused kernel: one op made of many ---
+    @contextlib.contextmanager
+    def kernel(self):
+        """Count the ops inside as one kernel; `yield`s a function to call with its outputs."""
+        if self._region is not None:  # already inside a kernel: one level counts
+            yield lambda out: None
+            return
+        region = self._region = {"reads": {}, "fresh": set(), "written": {}, "gemm": collections.Counter(), "out": []}
+        try:
+            yield lambda out: region["out"].extend(_tensors(out))
+        finally:
+            self._region = None
+        self._close_region(region)
+
+    def _region_op(self, reads, writes, gemm, mutable: bool) -> None:
+        region = self._region
+        for key, nbytes in reads.items():
+            if key not in region["fresh"]:  # a tensor from outside, read once by the kernel
+                region["reads"][key] = max(region["reads"].get(key, 0), nbytes)
+        for t, nbytes in writes:
+            key = storage_key(t)
+            if not mutable:
+                region["fresh"].add(key)  # a new tensor: a temporary of the kernel, unless returned
+            region["written"][key] = (t, max(nbytes, region["written"].get(key, (t, 0))[1]))
+        if gemm is not None:
+            region["gemm"][gemm[0]] += gemm[1]
+
+    def _close_region(self, region) -> None:
+        returned = {storage_key(t) for t in region["out"]}
+        node = _Node(not region["gemm"])
+        total = 0
+        for key, nbytes in region["reads"].items():
+            self._read(node, key, nbytes)
+            total += nbytes
+        for key, (t, nbytes) in region["written"].items():
+            if key in returned or key not in region["fresh"]:  # visible outside: written to memory
+                self._write(node, t, nbytes)
+                total += nbytes
+        if region["gemm"]:
+            kind = region["gemm"].most_common(1)[0][0]  # the kernel priced as its main GEMM
+            self.gemm_ops[(kind, sum(region["gemm"].values()), total)] += 1
+        else:
+            self.bytes["fused kernel"] += total
+
+    def external(self, kind: str, flops: int, reads, writes) -> None:
+        """An op the dispatcher does not see (the counted attention): its FLOPs and bytes."""
+        node = _Node(False)
+        total = 0
+        for t in reads:
+            self._read(node, storage_key(t), footprint(t))
+            total += footprint(t)
+        for t in writes:
+            self._write(node, t, footprint(t))
+            total += footprint(t)
+        self.flops[kind] += flops
+        self.gemm_ops[(kind, flops, total)] += 1
+
+
+def _byte_kind(func, packet) -> str:
+    if packet in _GATHERS or packet in _SCATTERS or packet is aten.embedding_dense_backward:
+        return "gather and scatter"
+    if packet in (aten._to_copy, aten.copy_, aten.clone, aten.cat, aten.stack, aten.constant_pad_nd):
+        return "copy and cast"
+    if torch.Tag.pointwise in func.tags:
+        return "pointwise"
+    return "other"
+
+
+# the Triton kernels of the fast path, by their portable twins: (module, attribute); an autograd
+# Function's forward and backward are each one kernel
+FUSED_KERNELS = (
+    ("ops.cross_entropy", "softcapped_ce_e4m3_portable"),
+    ("ops.cross_entropy", "softcapped_ce_grad_e5m2_portable"),
+    ("ops.cross_entropy", "_SoftcappedLoss.forward"),
+    ("ops.cross_entropy", "_SoftcappedLoss.backward"),
+    ("ops.mlp", "up_relu2_fp8_portable"),
+    ("ops.mlp", "dpre_fp8_portable"),
+    ("ops.ngram_embed", "_NgramEmbedPortable.forward"),
+    ("ops.ngram_embed", "_NgramEmbedPortable.backward"),
+    ("ops.qkv_rope", "quantize_dual_portable"),
+    ("ops.qkv_rope", "qk_norm_rope_portable"),
+    ("ops.qkv_rope", "qkv_rope_backward_portable"),
+    ("ops.value_embed", "gather_rows_portable"),
+    ("ops.value_embed", "scatter_add_rows_portable_"),
+)
+
+
+@contextlib.contextmanager
+def fused_kernels(counter: FlopCounter):
+    """Each twin in FUSED_KERNELS counted as the one kernel the fast path launches (`FlopCounter.kernel`):
+    its FLOPs as they are, its bytes what it reads from and leaves in memory."""
+    import importlib
+
+    def wrap(fn, static):
+        def counted(*args, **kwargs):
+            with counter.kernel() as returned:
+                out = fn(*args, **kwargs)
+                returned(out)
+            return out
+        return staticmethod(counted) if static else counted
+
+    with contextlib.ExitStack() as stack:
+        for module_name, attribute in FUSED_KERNELS:
+            owner = importlib.import_module(module_name)
+            *path, name = attribute.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            static = isinstance(owner, type)
+            stack.enter_context(mock.patch.object(owner, name, wrap(getattr(owner, name), static)))
+        yield
+
+
+import ops.fp8  # noqa: E402,F401  (registers the custom ops below)
+
+_FP8_CUSTOM_GEMMS = (torch.ops.speedrun.scaled_mm, torch.ops.speedrun.lm_head_logits_e4m3)
+
+
+def gemm_kind(packet, args) -> str:
+    if packet is aten._scaled_mm:
+        return "fp8 GEMM"
+    dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
+    return "bf16 GEMM" if dtype in (torch.bfloat16, torch.float16) else "fp32 GEMM"
+
+
+def attention_pairs(segment_lengths, window: int) -> int:
+    """(query, key) pairs of causal attention with a sliding window (query i sees keys i − window..i
+    of its own segment), summed over segments: per segment of L positions, Σ_i (min(i, window) + 1)."""
+    total = 0
+    for length in segment_lengths:
+        full = min(length, window + 1)  # the first window + 1 queries see every earlier key
+        total += full * (full + 1) // 2 + (length - full) * (window + 1)
+    return total
+
+
+def attention_flops(cu_seqlens, window: int, heads: int, d_qk: int, d_v: int, paired: bool) -> tuple[int, int]:
+    """(forward, backward) FLOPs of `varlen_attention` as FA3 does it: forward QKᵀ and PV, 2 FLOPs per
+    multiply-add; backward recomputes QKᵀ, then dV, dP, dQ, dK. Paired heads see the positions
+    doubled with half the heads (ops.attention_backends._stream_layout)."""
+    cu = [int(c) for c in cu_seqlens]
+    if paired:
+        cu, heads = [2 * c for c in cu], heads // 2
+    pairs = attention_pairs([b - a for a, b in zip(cu, cu[1:])], window) * heads
+    return 2 * pairs * (d_qk + d_v), 2 * pairs * (3 * d_qk + 2 * d_v)
+
+
+class CountedAttention:
+    """`ops.attention_backends.varlen_attention`'s signature: counts FLOPs, computes nothing. The
+    meta cu_seqlens hold no values, so the host batch's segments are given here."""
+
+    def __init__(self, counter: FlopCounter, host_cu_seqlens):
+        self.counter, self.cu = counter, host_cu_seqlens
+
+    def __call__(self, q, k, v, cu_seqlens, window, softmax_scale, paired=False, max_seqlen=None):
+        flops = attention_flops(self.cu, window, q.shape[1], q.shape[2], v.shape[2], paired)
+        return _AttentionShapes.apply(q, k, v, self.counter, flops)
+
+
+class _AttentionShapes(torch.autograd.Function):
+    """FA3's work and traffic: the forward reads q, k, v and writes the output and an fp32 lse per
+    head and position; the backward reads those and the output's gradient and writes dq, dk, dv."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, counter, flops):
+        # FA3's backward recomputes QKᵀ: 2·d_qk per pair beyond the 2× forward of a plain backward,
+        # hardware work (in the floor) and not model work (out of MFU)
+        ctx.counter, ctx.backward_flops, ctx.recompute = counter, flops[1], flops[1] - 2 * flops[0]
+        out = v.new_empty((*q.shape[:-1], v.shape[-1]))  # (T, H, d_v)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # (T, H)
+        counter.external("attention", flops[0], (q, k, v), (out, lse))
+        ctx.inputs = (q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.inputs
+        grads = tuple(t.new_empty(t.shape) for t in (q, k, v))
+        ctx.counter.external("attention", ctx.backward_flops, (q, k, v, out, lse, grad), grads)
+        ctx.counter.flops["attention recompute"] += ctx.recompute
+        return (*grads, None, None)
+
+
+@dataclasses.dataclass
+class Traffic:
+    """What a counted region (a step's forward and backward, an optimizer update) does besides its
+    FLOPs: GEMM and attention calls with their bytes (for the roofline), the memory-bound ops' bytes
+    unfused by kind, and what fusing single-reader chains would save (FlopCounter.fusable)."""
+    gemm_ops: dict  # (kind, FLOPs, bytes) → calls
+    bytes: dict[str, int]  # memory-bound ops, unfused, by BYTE_KINDS
+    fusable: int
+
+    @classmethod
+    def of(cls, counter: FlopCounter, times: int = 1) -> "Traffic":
+        return cls({key: n * times for key, n in counter.gemm_ops.items()},
+                   {k: counter.bytes[k] * times for k in BYTE_KINDS}, counter.fusable() * times)
+
+    @property
+    def memory_bound_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def gemm_bytes(self) -> int:
+        return sum(n * b for (_, _, b), n in self.gemm_ops.items())
+
+    def seconds(self, peak: DevicePeak, fused: bool) -> float:
+        """The roofline of the region on `peak`: every GEMM and attention call at max(its FLOPs at its
+        kind's peak, its bytes at HBM bandwidth), plus the memory-bound bytes (less what fusion saves,
+        if `fused`) at HBM bandwidth."""
+        bw = peak.hbm_tb_per_s * 1e12
+        gemms = sum(n * max(f / (peak.tflops(k) * 1e12), b / bw) for (k, f, b), n in self.gemm_ops.items())
+        return gemms + (self.memory_bound_bytes - (self.fusable if fused else 0)) / bw
+
+
+@dataclasses.dataclass
+class GeometryCost:
+    """One training forward and backward of every virtual rank this process plays, at one geometry."""
+    settings: object  # optim.schedule.StepSettings of the geometry's first step
+    steps: list[int]
+    tokens: int  # per virtual rank
+    accum: int
+    flops: dict[str, int]  # per process and step, by kind (and "attention recompute", inside "attention")
+    hbm_bytes: dict[str, int]  # estimated traffic outside the model's forward and backward
+    traffic: Traffic | None = None  # bytes per process and step, counted
+    params: dict[str, int] | None = None  # the parameters the step's GEMMs use, by group (`step_parameters`)
+
+    @property
+    def model_flops(self) -> int:
+        """The model's FLOPs, forward and backward, without FA3's recomputation: the MFU numerator."""
+        return sum(self.flops[k] for k in GEMM_KINDS) - self.flops.get("attention recompute", 0)
+
+    @property
+    def hardware_flops(self) -> int:
+        return sum(self.flops[k] for k in GEMM_KINDS)
+
+    @property
+    def six_n_t(self) -> int:
+        return 6 * sum(self.params.values()) * self.tokens * self.accum
+
+
+def step_parameters(model, softmax_p: int | None) -> dict[str, int]:
+    """N of 6·N·T: the parameters the step's GEMMs multiply by, by group, each counted as the GEMMs
+    touch it. The attention weights as `GPT.attn_weights` cuts them from the banks (the live slots,
+    each head's d_qk and d_v columns: not the padded slots nor the narrow heads' unused rows); the
+    MLP bank's slots the model reads (not layer 7's, which has no MLP); the lm_head's columns the
+    loss multiplies by (the P candidates under the sampled softmax, else V); the MUDD, gate and
+    smear matrices whole. Embedding tables (embed, value_embeds, the n-gram table) are lookups, not
+    GEMMs, and the λ scalars multiply elementwise."""
+    from model.gpt import NO_MLP_LAYERS
+
+    D, V = model.lm_head.weight.shape
+    banks = ("lm_head.weight", "embed.weight", "value_embeds", "qk_bank", "vo_bank", "mlp_bank")
+    return {
+        "attention": sum(w.numel() for weights in model.attn_weights().values() for w in weights),
+        "MLP": (model.mlp_bank.shape[0] - len(NO_MLP_LAYERS)) * model.mlp_bank[0].numel(),
+        "lm_head": D * (softmax_p or V),
+        "gates and MUDD": sum(p.numel() for name, p in model.named_parameters() if p.dim() >= 2 and name not in banks),
+    }
+
+
+def geometry_cost(rank, settings, steps) -> GeometryCost:
+    """Count one forward and backward at `settings`' geometry on "meta" (meta_rank.meta_step's inputs)."""
+    from model import attention as model_attention
+    from ops.backend import use_backend
+
+    cfg, D = rank.cfg, rank.cfg.model.model_dim
+    step = meta_step(rank, settings, steps)
+    counter = FlopCounter()
+    attention = CountedAttention(counter, step.host_batch.cu_seqlens.tolist())
+    with torch.device("meta"), use_backend(**PORTABLE_BACKEND), \
+            mock.patch.object(model_attention, "varlen_attention", attention), fused_kernels(counter), counter:
+        loss = step.forward(rank.model)
+        loss.backward()
+    rank.model.zero_grad(set_to_none=True)
+    T, A = step.tokens, rank.accum
+    # outside the counted forward and backward, estimated: the n-gram rows pulled into the sink (2T
+    # bf16 rows read from the table shard and written) and their fp32 gradients merged at the table
+    # event (written, read back); features.ngram off: no rows
+    hbm = {"n-gram row pull and gradient merge (estimate)": 2 * T * D * (2 + 2 + 4 + 4) * A} if cfg.features.ngram else {}
+    return GeometryCost(settings, steps, T, A, {k: counter.flops[k] * A for k in (*KINDS, "attention recompute")},
+                        hbm, Traffic.of(counter, A), step_parameters(rank.model, settings.softmax_p))
+
+
+def count_geometries(cfg: RunConfig, world_size: int, progress=None) -> list[GeometryCost]:
+    """One forward and backward per geometry of the schedule, for one rank of `world_size`
+    processes; `progress` gets a line per geometry counted."""
+    rank = build_rank_on_meta(cfg, world_size)
+    each = each_with_progress(geometries(rank.schedule), lambda g: f"cost: geometry at step {g[0].step}", progress)
+    return [geometry_cost(rank, s, steps) for s, steps in each]

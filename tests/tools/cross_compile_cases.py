@@ -1,0 +1,72 @@
+"""Functions `python -m tools.cross_compile --function tests/tools/cross_compile_cases.py:NAME` [--sm SM] compiles
+for the faked GPU (SM90 by default): each returns (fn, args), built on that device (fake tensors,
+shapes only).
+Used by tests/tools/test_tools_cross_compile.py."""
+import torch
+
+from ops.fp8 import E4M3, scaled_mm
+
+SLOTS = 12  # record #360: the MLP bank's slots, one scale each in a [12] buffer (ops/mlp.py)
+
+
+def _operands():
+    """a (T, D) e4m3 row-major; w (H, D) e4m3, used as its transpose (D, H): column-major, as the MLP's
+    weight caches and cuBLASLt have it (graph inputs are whole tensors: see tools/cross_compile.py)."""
+    return torch.zeros(256, 128, dtype=E4M3), torch.zeros(512, 128, dtype=E4M3), torch.ones(SLOTS), torch.ones(SLOTS)
+
+
+def raw_scaled_mm_slot_view():
+    """torch._scaled_mm with 0-D views of [12] per-slot buffers as its scales, the way the MLP took
+    them before fp8 GEMMs became an opaque op: inductor's SM90 lowering reshapes each scale to
+    [1, 1] and fails on the view ("12 != 1")."""
+    def fn(a, w, scale_a, scale_b):
+        return torch._scaled_mm(a, w.t(), scale_a=scale_a[3], scale_b=scale_b[5], out_dtype=torch.bfloat16)
+    return fn, _operands()
+
+
+def mlp_scaled_mm_slot_view():
+    """The same GEMM through ops.fp8.scaled_mm, with the scales the MLP passes: a slot's view, and a
+    slot's view times the post-λ (the fold)."""
+    def fn(a, w, scale_a, scale_b, post_lambda):
+        return scaled_mm(a, w.t(), scale_a[3], scale_b[5] * post_lambda, torch.bfloat16, True)
+    return fn, (*_operands(), torch.ones((), dtype=torch.float32))
+
+
+def _flex_case(training: bool):
+    from ops.attention_backends import flex_varlen_attention
+
+    def fn(q, k, v, cu_seqlens):
+        return flex_varlen_attention(q, k, v, cu_seqlens, window=384, softmax_scale=0.12, paired=True)
+
+    T = 1024  # a multiple of flex's 128-position tile, as the run's micro-batches are
+    q, k = (torch.zeros(T, 6, 64, dtype=torch.bfloat16, requires_grad=training) for _ in range(2))
+    v = torch.zeros(T, 6, 128, dtype=torch.bfloat16, requires_grad=training)
+    return fn, (q, k, v, torch.zeros(8, dtype=torch.int32))
+
+
+def flex_attention_recipe_widths():
+    """flex attention, what SM89 and SM80 run for FA3 (ops.backend.detect), at record #360's widths
+    on its paired-head layers (6 heads, d_qk 64, d_v 128; [2T, 3, d] streams), forward and backward:
+    its Triton templates pick their tiles by the GPU's capability and shared memory."""
+    return _flex_case(training=True)
+
+
+def flex_attention_validation():
+    """The same attention in an inference graph, as a validation forward runs it: the mask's segment
+    ids captured as a computed tensor failed to lower here (ops/attention_backends.py
+    `_segment_ids_op`)."""
+    return _flex_case(training=False)
+
+
+def up_relu2_fp8_record_tile():
+    """The fp8 MLP's up-projection kernel at record #360's tile (ops/mlp.py TILES["cuda_fp8"],
+    3 stages: 176 KiB of shared memory per block for sm_90, 128 KiB for sm_89): over an L40S's 99 KiB,
+    so inductor recompiles it with one stage, as at its first launch on such a GPU."""
+    from ops.fp8 import E4M3
+    from ops.mlp import up_relu2_fp8_triton
+
+    def fn(x8, w1_8, s_x, s_w1, s_post, post_amax):
+        return up_relu2_fp8_triton(x8, w1_8, s_x, s_w1, s_post, post_amax, torch.bfloat16)
+
+    scales = (torch.ones((), dtype=torch.float32) for _ in range(4))
+    return fn, (torch.zeros(256, 128, dtype=E4M3), torch.zeros(512, 128, dtype=E4M3), *scales)

@@ -1,0 +1,226 @@
+"""tools/cost.py: the FLOP counter against hand formulas, its bytes against a hand-counted graph, the
+attention's pairs against a brute-force mask, the optimizer's collectives against the banks' sizes, the
+smoke model's GEMMs against 6·N·T, the datasheet peaks, the roofline, tokens/s, MFU and the peak fraction."""
+import pytest
+import torch
+
+from config import RUN_PRESETS
+from runtime import op_count, throughput
+from tools import cost
+from ops.attention_backends import varlen_attention_mask
+from ops.fp8 import E4M3, scaled_mm
+
+
+def _count(fn):
+    counter = op_count.FlopCounter()
+    with counter:
+        fn()
+    return {k: v for k, v in counter.flops.items() if v}
+
+
+def test_plain_matmuls_by_dtype_and_pointwise_by_element():
+    a, b = torch.randn(6, 5), torch.randn(5, 7)
+    assert _count(lambda: a @ b) == {"fp32 GEMM": 2 * 6 * 5 * 7}
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    assert _count(lambda: a16 @ b16) == {"bf16 GEMM": 2 * 6 * 5 * 7}
+    batched = torch.randn(3, 6, 5, dtype=torch.bfloat16)
+    assert _count(lambda: torch.bmm(batched, batched.transpose(1, 2))) == {"bf16 GEMM": 3 * 2 * 6 * 5 * 6}
+    assert _count(lambda: a + 1) == {"pointwise": 30}
+
+
+def test_fp8_gemms_count_as_fp8_through_the_project_op_and_torch():
+    a = (torch.randn(16, 32) * 8).to(E4M3)
+    b = (torch.randn(64, 32) * 8).to(E4M3).t()  # (32, 64) column-major
+    one = torch.tensor(1.0)
+    assert _count(lambda: scaled_mm(a, b, one, one, torch.float32, False)) == {"fp8 GEMM": 2 * 16 * 32 * 64}
+    assert _count(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)) == \
+        {"fp8 GEMM": 2 * 16 * 32 * 64}
+
+
+@pytest.mark.parametrize("window", [0, 3, 7, 100])
+def test_attention_pairs_match_a_brute_force_mask(window):
+    lengths = [1, 5, 9, 13, 0, 4]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)))
+    T = int(cu[-1])
+    assert op_count.attention_pairs(lengths, window) == int(varlen_attention_mask(cu, T, window).sum())
+    fwd, bwd = op_count.attention_flops(cu.tolist(), window, heads=6, d_qk=16, d_v=8, paired=False)
+    pairs = int(varlen_attention_mask(cu, T, window).sum())
+    assert fwd == 2 * pairs * 6 * (16 + 8) and bwd == 2 * pairs * 6 * (3 * 16 + 2 * 8)
+    # paired heads: half the heads over the doubled positions (the layout ops.attention_backends uses)
+    paired_fwd, _ = op_count.attention_flops(cu.tolist(), window, heads=6, d_qk=16, d_v=8, paired=True)
+    doubled = int(varlen_attention_mask(2 * cu, 2 * T, window).sum())
+    assert paired_fwd == 2 * doubled * 3 * (16 + 8)
+
+
+@pytest.fixture(scope="module")
+def smoke_rank():
+    from runtime.meta_rank import build_rank_on_meta
+
+    return build_rank_on_meta(RUN_PRESETS["smoke"], 2)
+
+
+def test_the_smoke_models_gemms_are_6_n_t_of_the_parameters_the_step_uses(smoke_rank):
+    """N counts what the step's GEMMs touch (the attention weights as cut from the banks, the MLP
+    slots read, the lm_head's P or V columns, the small matrices), so the counted tensor-core GEMMs
+    of a forward and backward are 6·N·T within 0.5%, at the full softmax and a sampled one: N counts
+    the MUDD and gate matrices whole, and the smaller MUDD block and the post gate use fewer rows of
+    theirs (measured 0.9985 on smoke, 0.99994 on the record)."""
+    from runtime.meta_rank import geometries
+
+    for settings, steps in geometries(smoke_rank.schedule):
+        g = op_count.geometry_cost(smoke_rank, settings, steps)
+        gemms = g.flops["fp8 GEMM"] + g.flops["bf16 GEMM"] + g.flops["fp32 GEMM"]
+        assert gemms == pytest.approx(g.six_n_t, rel=5e-3)
+        D, V = smoke_rank.cfg.model.model_dim, smoke_rank.cfg.model.vocab_size
+        assert g.params["lm_head"] == D * (settings.softmax_p or V)
+        # the model FLOPs leave out FA3's recomputed QKᵀ, which the hardware FLOPs keep
+        assert 0 < g.flops["attention recompute"] < g.flops["attention"] / 3
+        assert g.model_flops == gemms + g.flops["attention"] - g.flops["attention recompute"]
+        assert g.hardware_flops == gemms + g.flops["attention"]
+    # the padded bank slots, layer 7's MLP slot and the full lm_head are not counted
+    model = smoke_rank.model
+    assert g.params["MLP"] == 11 * model.mlp_bank[0].numel()
+    assert g.params["attention"] < model.qk_bank.numel() + model.vo_bank.numel()
+
+
+def test_the_step_counts_the_triton_kernels_as_kernels(smoke_rank):
+    """Under fused_kernels the fp8 CE is one kernel each way, reading the e4m3 logits [T, N] once and
+    writing lse (forward) or the e5m2 gradient (backward): its twin's fp32 slabs are not counted."""
+    from runtime.meta_rank import geometries
+
+    settings, steps = geometries(smoke_rank.schedule)[0]
+    g = op_count.geometry_cost(smoke_rank, settings, steps)
+    T, N = g.tokens, settings.softmax_p or smoke_rank.cfg.model.vocab_size
+    assert g.traffic.bytes["fused kernel"] >= 3 * T * N  # e4m3 read twice, e5m2 written once
+    assert g.traffic.memory_bound_bytes > g.traffic.fusable > 0
+
+
+def test_the_optimizer_sends_each_bank_once_each_way(smoke_rank):
+    """A non-Adam step: the banks' bf16 gradients reduce-scattered and their updates all-gathered, each
+    rank sending (W-1)/W of each bank (ring), nothing else."""
+    phases = cost.phase_costs(smoke_rank)
+    banks = sum(p.numel() for n, p in smoke_rank.model.named_parameters() if n.endswith("_bank") and n != "ve_gate_bank")
+    plain = next(p for p in phases if not p.phase.adam and not p.phase.table_event and p.phase.tied)
+    assert plain.sent_bytes == {"reduce-scatter (torch.bfloat16)": banks * 2 // 2, "all-gather (torch.bfloat16)": banks * 2 // 2}
+    assert plain.flops["bf16 GEMM"] > 0  # ANVIL's cascades
+    adam = next(p for p in phases if p.phase.adam)
+    assert sum(adam.sent_bytes.values()) > sum(plain.sent_bytes.values())
+    assert sum(len(p.steps) for p in phases) == smoke_rank.schedule.total_steps
+
+
+def test_tokens_per_second_mfu_and_peak_fraction():
+    from optim.schedule import TrainingSchedule
+
+    schedule = TrainingSchedule(RUN_PRESETS["smoke"].schedule)
+    plain = throughput.RunCost(schedule)
+    tokens = sum(schedule.batch_tokens(s) for s in range(10))
+    assert plain.tokens_per_s(10, 2000.0) == pytest.approx(tokens / 2.0)
+    assert plain.mfu(10, 2000.0) is None and plain.peak_fraction(10, 2000.0) is None  # no peak: neither
+    g = op_count.GeometryCost(None, list(range(schedule.total_steps)), 512, 1,
+                          {"fp8 GEMM": 2e12, "bf16 GEMM": 1e12, "fp32 GEMM": 0, "attention": 1e12, "pointwise": 5e9,
+                           "attention recompute": 0.2e12}, {})
+    peak = throughput.DevicePeak("test", fp8_tflops=1000.0, bf16_tflops=500.0, tf32_tflops=250.0, fp32_tflops=50.0,
+                           hbm_tb_per_s=1.0, link_gb_per_s=1.0, source="a test")
+    run = throughput.RunCost(schedule, [g], peak)
+    # MFU: 10 steps × 3.8e12 model FLOPs (4e12 less the 0.2e12 recomputed) over 2 s at 500 TFLOP/s
+    assert run.mfu(10, 2000.0) == pytest.approx(0.038)
+    assert throughput.mfu(3.8e13, 2.0, peak) == pytest.approx(0.038)
+    # peak fraction: 10 steps of 2 ms (fp8 at 1000) + 4 ms (bf16 and attention at 500) at peak in 2 s
+    assert run.peak_fraction(10, 2000.0) == pytest.approx(0.03)
+
+
+def test_the_datasheet_peaks_and_the_fp32_gemm_price():
+    """H100 SXM (NVIDIA's datasheet, sparse tensor-core figures halved): fp8 1,978.9, bf16 989.4, TF32
+    494.7 dense TFLOP/s, fp32 67 on the CUDA cores, HBM3 3.35 TB/s, NVLink 450 GB/s each way; the
+    H200 SXM has the same cores and 4.8 TB/s. fp32 GEMMs cost the fp32 peak unless TF32 is enabled."""
+    h100, h200 = throughput.H100_SXM, throughput.H200_SXM
+    assert (h100.fp8_tflops, h100.bf16_tflops, h100.tf32_tflops, h100.fp32_tflops) == (1978.9, 989.4, 494.7, 67.0)
+    assert (h100.hbm_tb_per_s, h100.link_gb_per_s) == (3.35, 450.0)
+    assert (h200.fp8_tflops, h200.bf16_tflops, h200.fp32_tflops, h200.hbm_tb_per_s) == (1978.9, 989.4, 67.0, 4.8)
+    assert torch.get_float32_matmul_precision() == "highest"  # torch's default: nothing here changes it
+    assert h100.tflops("fp32 GEMM") == 67.0 and h100.tflops("fp8 GEMM") == 1978.9
+    assert h100.tflops("bf16 GEMM") == h100.tflops("attention") == 989.4
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert h100.tflops("fp32 GEMM") == 494.7
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+def _traffic(fn):
+    counter = op_count.FlopCounter()
+    with counter:
+        fn(counter)
+    return counter
+
+
+def test_bytes_of_a_hand_counted_graph():
+    """c = a·b (broadcast), d = bf16(c), a view of d, its sum; a GEMM; a gather; a kernel of two ops.
+    fp32 a [4, 8] is 128 B, b [8] 32 B."""
+    a, b = torch.randn(4, 8), torch.randn(8)
+    table, ids = torch.randn(10, 8), torch.tensor([1, 5, 5])
+    w = torch.randn(8, 2)
+
+    def graph(counter):
+        c = a * b  # reads 128 + 32, writes 128: 288
+        d = c.to(torch.bfloat16)  # reads 128, writes 64: 192
+        d.view(32).sum()  # the view is free; the sum reads 64, writes a bf16 scalar 2: 66
+        a @ w  # a GEMM: 2·4·8·2 FLOPs; reads 128 + 64, writes 32
+        torch.nn.functional.embedding(ids, table)  # reads 3 rows (96) and the ids (24), writes 96: 216
+        with counter.kernel() as returned:  # one kernel: reads a (128), writes u (128); t is internal
+            t = a * 2
+            u = t + 1
+            returned(u)
+
+    counter = _traffic(graph)
+    assert dict(counter.bytes) == {"pointwise": 288, "copy and cast": 192, "other": 66, "gather and scatter": 216,
+                                   "fused kernel": 256}
+    assert dict(counter.gemm_ops) == {("fp32 GEMM", 128, 224): 1}
+    # fusing: c is read once, by the cast (128 written + 128 read); d once, by the sum (64 + 64); a is
+    # read by several ops and the sum's result by none
+    assert counter.fusable() == 384
+
+
+def test_the_roofline_of_a_region():
+    """Traffic.seconds: each GEMM call at max(FLOPs at its peak, bytes at HBM bandwidth), the
+    memory-bound bytes at bandwidth, less what fusion saves when fused."""
+    peak = throughput.DevicePeak("test", fp8_tflops=1000.0, bf16_tflops=500.0, tf32_tflops=250.0, fp32_tflops=50.0,
+                           hbm_tb_per_s=1.0, link_gb_per_s=1.0, source="a test")
+    traffic = op_count.Traffic({("bf16 GEMM", 10**12, 10**9): 2, ("fp8 GEMM", 10**9, 10**10): 1},
+                           {"pointwise": 3 * 10**9}, fusable=10**9)
+    # 2 × max(2 ms, 1 ms) + max(1 µs, 10 ms) + 3 ms (unfused) or 2 ms (fused)
+    assert traffic.seconds(peak, fused=False) == pytest.approx(0.004 + 0.010 + 0.003)
+    assert traffic.seconds(peak, fused=True) == pytest.approx(0.004 + 0.010 + 0.002)
+
+
+def test_device_peaks_by_cuda_name():
+    assert throughput.device_peak("NVIDIA H100 80GB HBM3") is throughput.H100_SXM
+    assert throughput.device_peak("NVIDIA H200") is throughput.H200_SXM
+    assert throughput.device_peak("NVIDIA H100 PCIe") is None and throughput.device_peak("NVIDIA H200 NVL") is None
+    assert throughput.device_peak("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_host_table_bytes_by_hand():
+    """The record's stage-0 step on 1 process (8 micro-batches of 16,384 tokens): 262,144 ids, 58%
+    distinct (152,043.52 rows), bf16 rows of 768 (1,536 bytes): 233,538,846.7 bytes; a table event
+    reads and writes back half a 4-step cycle's ids."""
+    from tools.cost import host_table_bytes
+    cfg = RUN_PRESETS["record"]
+    assert host_table_bytes(cfg, 16_384, 8, False) == {"n-gram row gather, host→device (bf16)": 233_538_846}
+    event = host_table_bytes(cfg, 16_384, 8, True)
+    assert event["n-gram event rows, host→device and back (bf16)"] == 2 * 524_288 * 768 * 2
+
+
+def test_each_step_is_priced_with_its_own_table_event():
+    """A geometry groups steps of one shape, table events or not: the n-gram push (and a host table's
+    event traffic) is priced by each step's own event, as the schedule has it."""
+    from optim.schedule import TrainingSchedule
+    from tools.cost import schedule_cost
+
+    cfg = RUN_PRESETS["smoke"]
+    cost = schedule_cost(cfg, 2)
+    schedule = TrainingSchedule(cfg.schedule, cfg.features)
+    events = [s for s in range(schedule.total_steps) if schedule.is_table_event(s)]
+    assert [s for s in range(schedule.total_steps) if cost.is_table_event(s)] == events
+    pushed = [s for s in range(schedule.total_steps) if any("push" in k for k in cost.sent_bytes(s))]
+    assert pushed == events and len(events) > len({cost.geometry_at(s).steps[0] for s in events})

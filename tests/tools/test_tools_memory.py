@@ -1,0 +1,223 @@
+"""tools/memory.py: the per-rank memory table and the peak estimate of a training step."""
+import math
+
+import pytest
+import torch
+
+from config import RUN_PRESETS
+from model.summary import build_on_meta
+from tools.memory import LiveStorages, main, memory_report, saved_for_backward, static_items, step_memory
+from runtime.meta_rank import GIB, build_rank_on_meta, geometries
+
+GB = 10 ** 9
+
+
+@pytest.fixture(scope="module")
+def record_report():
+    return memory_report(RUN_PRESETS["record"], 8)
+
+
+def test_static_items_of_smoke_match_an_independent_count():
+    """Smoke on 2 ranks: every static item against a count that does not go through the optimizer
+    or the summary (parameter sizes from the model, bank shards and Adam shards by hand)."""
+    cfg = RUN_PRESETS["smoke"]
+    items = {i.name: i for i in static_items(build_rank_on_meta(cfg, 2))}
+    model = build_on_meta(cfg.model)
+    params = dict(model.named_parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    assert items["parameters"].bytes == param_bytes
+    assert items["gradients (.grad)"].bytes == param_bytes - 4 * 50304 * 96 * 2  # value_embeds: no .grad
+    # banks on 2 ranks: qk [48, 32, 96] -> 24 matrices each, vo [16, 96, 96] -> 8, mlp [24, 192, 96] -> 12;
+    # velocity 2 rails fp32, mantissa uint16, lane energy fp32 along the longer side, lr mults fp32 [chunk]
+    def bank(chunk, rows, cols):
+        lanes = chunk * max(rows, cols)
+        return chunk * rows * cols * (2 * 4 + 2) + lanes * 4 + chunk * 4
+    assert items["anvil qk_bank"].bytes == bank(24, 32, 96)
+    assert items["anvil vo_bank"].bytes == bank(8, 96, 96)
+    assert items["anvil mlp_bank"].bytes == bank(12, 192, 96)
+    # sharded Adam: half the rows of lm_head [96, V], embed [V, 96], value_embeds [4V, 96]; two fp32 moments
+    assert items["adam lm_head.weight"].bytes == 2 * 4 * 48 * 50304
+    assert items["adam embed.weight"].bytes == 2 * 4 * 25152 * 96
+    assert items["adam value_embeds"].bytes == 2 * 4 * 100608 * 96
+    assert items["value_embeds cycle gradient"].bytes == 4 * 50304 * 96 * 2  # fp16, the whole table
+    # n-gram: 16,384 rows over 2 ranks, bf16; row Adam: fp32 moment + int32 event per row, fp64 sums
+    assert items["n-gram table shard"].bytes == 8192 * 96 * 2
+    schedule_events = sum(1 for s in range(70) if (s % 4 == 3 if s >= 20 else s % 2 == 1))
+    assert items["n-gram row Adam state"].bytes == 8192 * (4 + 4) + (schedule_events + 1) * 8
+    # tail averages: fp32 copies of the rank's own rows
+    assert items["tail average tail-ema"].bytes == 4 * (48 * 50304 + 25152 * 96)
+    assert items["tail average value-embed-avg"].bytes == 4 * 100608 * 96
+    assert items["tail average bank-blend"].bytes == 4 * (24 * 32 * 96 + 8 * 96 * 96 + 12 * 192 * 96)
+    assert "canonical mask" not in items  # smoke validates without it
+    # the reset snapshot is host memory: every state_dict tensor, outside the device total
+    snapshot = items["warmup-reset snapshot (Run.initial_state)"]
+    assert snapshot.where == "host"
+    assert snapshot.bytes == param_bytes + sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                                               if n in model.state_dict())
+
+
+def test_saved_tensors_of_a_known_graph_count_each_storage_once():
+    """y = exp(x) saves its result y; y * w saves y and w; sin(z) saves z; a view of y saved by cos
+    adds nothing: unique storages y, w, z. w is ignored like a parameter."""
+    with torch.device("meta"):
+        x = torch.empty(4, 8, requires_grad=True)
+        w = torch.empty(8, requires_grad=True)
+
+        def f():
+            y = x.exp()
+            z = y * w
+            return z.sin().sum() + y.view(8, 4).cos().sum()
+
+        _, saved = saved_for_backward(f)
+        assert sorted(i.bytes for i in saved.values()) == [32, 128, 128]  # w [8], y, z [4, 8] fp32
+        _, saved = saved_for_backward(f, ignore={w.untyped_storage()._cdata})
+        assert sum(i.bytes for i in saved.values()) == 2 * 128
+
+
+def test_live_storages_peak_of_a_known_sequence():
+    """b = 2x (400 B), c = exp(b) (400 B): both alive, 800 B; b dropped, then c.sum() (4 B)."""
+    with torch.device("meta"):
+        x = torch.empty(100)
+        tracker = LiveStorages({x.untyped_storage()._cdata})
+        with tracker:
+            b = x * 2
+            c = b.exp()
+            mid = tracker.mark()
+            del b
+            s = c.sum()
+            end = tracker.mark()
+        assert tracker.peak(0, end) == 800
+        assert tracker.peak(mid, end) == 800 and tracker.peak(mid + 1, end) == 404  # from the moment b is freed
+        assert [i.bytes for i in tracker.temporaries(0, end)] == [400]
+        del c, s
+
+
+def test_record_at_8_ranks_fits_60_gib(record_report):
+    """The record preset per rank, 8 ranks: static 17.2 GiB (15.13 of it the n-gram shard), the worst
+    step (1107, full softmax over 40,960 tokens) 20.8 GiB, peak estimate 38.0 GiB (record #360 logged
+    53,424 MiB = 52.2 GiB allocated; ours was 52.5 GiB with fp32 logits and an fp32 σ saved). The
+    step saves the e4m3 logits [40960, 50304], 1.92 GiB, and nothing fp32 at that size."""
+    r = record_report
+    items = {i.name: i.bytes for i in r.static}
+    assert items["n-gram table shard"] == 10_575_360 * 768 * 2
+    assert 15.13 * GIB < r.static_bytes < 18 * GIB
+    assert r.worst.settings.step == 1107 and r.worst.settings.softmax_p == 0
+    # the row prefetch: the next step's rows received and served, [2T, D] bf16 each, T = 40,960
+    assert r.worst.prefetch == 2 * (2 * 40960) * 768 * 2
+    assert r.peak_bytes <= 60 * GIB
+    widest = max(r.worst.saved_tensors, key=lambda i: i.bytes)
+    assert widest.shape == (40960, 50304) and widest.bytes == 40960 * 50304  # the e4m3 logits, 1 byte each
+
+
+def test_dev_on_one_gpu_fits_80_gb():
+    """The dev preset on 1 GPU: the whole 8.4M-row table, unsharded optimizer states, 8 accumulation
+    steps (the n-gram gradient rows held over a table cycle are bounded by 31 × [2T, D] fp32)."""
+    r = memory_report(RUN_PRESETS["dev"], 1)
+    items = {i.name: i.bytes for i in r.static}
+    assert items["n-gram table shard"] == 8_388_608 * 768 * 2
+    assert r.peak_bytes <= 80 * GB
+
+
+def test_record_on_one_gpu_fits_40_gib_with_the_table_in_host_memory():
+    """The record's recipe in 1 process (8 virtual ranks): the 121.03 GiB table does not fit an H100,
+    so `ngram_table=auto` puts it in host memory; the device keeps 8 lanes of the per-rank gradients
+    and fp8 scales (optim/lanes.py). Measured: static 9.4 GiB, peak estimate 35.9 GiB; host 127.4 GiB."""
+    r = memory_report(RUN_PRESETS["record"], 1)
+    host = {i.name: i.bytes for i in r.static if i.where == "host"}
+    device = {i.name: i.bytes for i in r.static if i.where == "device"}
+    assert host["n-gram table shard"] == 84_602_880 * 768 * 2 and "n-gram table shard" not in device
+    V, D = 50304, 768
+    # by hand: lm_head [768, V] and embed [V, 768] bf16 .grads, the fp16 value_embeds cycle buffer
+    # (4 planes plus the padding rows the model allocates), the small Adam parameters, 4 fp32 [11-slot] states
+    small = sum(p.numel() * p.element_size() for n, p in r.rank.model.named_parameters()
+                if n not in ("lm_head.weight", "embed.weight", "value_embeds") and not n.endswith("_bank")
+                or n == "ve_gate_bank")
+    cycle = r.rank.model.value_embeds.numel() * 2
+    slots = r.rank.model.mlp_fp8.post_amax.numel()
+    assert device["virtual-rank lanes"] == 8 * (2 * V * D * 2 + cycle + small + 4 * slots * 4)
+    assert r.peak_bytes <= 40 * GIB
+    assert sum(host.values()) < 130 * GIB
+
+
+def test_nothing_wider_than_2_bytes_is_saved_at_tokens_by_classes():
+    """No tensor saved for the backward in training at [T, >= N] (N the sampled-softmax width P, or V)
+    is wider than 2 bytes per element (the issue's bound), and the one there is the e4m3 logits at 1
+    byte (before: σ of fp32 logits, 4 bytes). Checked at a sampled and a full-softmax geometry of the
+    smoke preset."""
+    cfg = RUN_PRESETS["smoke"]
+    rank = build_rank_on_meta(cfg, 2)
+    for settings, steps in geometries(rank.schedule)[:1] + geometries(rank.schedule)[-1:]:  # sampled, full
+        m = step_memory(rank, settings, steps)
+        width = settings.softmax_p or cfg.model.vocab_size
+        wide = [i for i in m.saved_tensors if len(i.shape) == 2 and i.shape[0] == m.tokens and i.shape[1] >= width]
+        assert all(info.bytes / math.prod(info.shape) <= 2 for info in wide), wide
+        assert [info.dtype for info in wide] == [torch.float8_e4m3fn], wide
+
+
+def test_memory_command_ends_with_the_two_lines(capsys, record_report):
+    main(["--config", "smoke"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith("static per rank: ") and lines[-2].endswith(" GiB")
+    assert lines[-1].startswith("per-rank peak estimate: ") and lines[-1].endswith(" GiB")
+    assert "warmup-reset snapshot" in "\n".join(lines)
+    # the capture check's section (tools/capture_cost.py; its numbers: tests/runtime/test_runtime_capture_bytes.py)
+    text = "\n".join(lines)
+    assert "capture check (SPEEDRUN_CUDA_GRAPHS" in text and "bound: host bytes per rank ≤ 2 × the largest key's" in text
+    assert "WARNING" not in text
+
+
+def test_reset_snapshot_is_a_host_copy(monkeypatch):
+    """Run.initial_state (the item listed as host memory) holds host copies of the state_dict's
+    tensors, none sharing the model's storage; on CPU they are plain (unpinned) tensors."""
+    from runtime import training
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = RUN_PRESETS["smoke"]
+    run = training.Run(cfg, training.Setup(cfg))
+    state = {k: v for k, v in run.model.state_dict().items() if torch.is_tensor(v)}
+    assert set(run.initial_state) == set(state)
+    for name, t in state.items():
+        snap = run.initial_state[name]
+        assert snap.device.type == "cpu" and not snap.is_pinned()
+        assert snap.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+        assert torch.equal(snap, t)
+
+
+def _imports(path) -> set[str]:
+    """Every absolute module a source file imports, at the top or inside functions."""
+    import ast
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_layout_keeps_its_import_rules():
+    """docs/design.md, "Import rules": the model imports neither optim/ nor data/ (the memory report, which builds
+    the optimizer and the n-gram table, lives in tools/memory.py), and a kernel imports no model file.
+    Read from the sources, lazy imports inside functions included."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    imports = _imports
+    broken = []
+    for path in sorted((root / "model").glob("*.py")):
+        broken += [f"{path.name} imports {n}" for n in imports(path) if n.split(".")[0] in ("optim", "data")]
+    for path in sorted((root / "ops").glob("*.py")):
+        broken += [f"kernels/{path.name} imports {n}" for n in imports(path) if n.split(".")[0] == "model"]
+    # no import circle through train_gpt.py: nothing imports the script (what the tools need from a run,
+    # Setup and Run, lives in runtime/training.py, which the script imports); the tests call its main() only
+    sources = [p for p in root.rglob("*.py") if "tests" not in p.relative_to(root).parts and p.name != "train_gpt.py"]
+    broken += [f"{p.relative_to(root)} imports train_gpt" for p in sources if "train_gpt" in imports(p)]
+    assert broken == []
+
+
+def test_the_import_rule_reader_sees_lazy_imports(tmp_path):
+    """The reader the rules use finds an import inside a function, so a rule cannot pass vacuously."""
+    source = tmp_path / "tool.py"
+    source.write_text("import os\nfrom model import gpt\ndef build():\n    import train_gpt\n    return train_gpt.Run\n")
+    assert _imports(source) == {"os", "model", "train_gpt"}

@@ -1,0 +1,374 @@
+"""What a training step costs, before renting and after: FLOPs, bytes moved, the time floor, MFU.
+
+    python -m tools.cost --config record                 # per geometry, per optimizer phase, the schedule's floor
+    python -m tools.cost --config dev --world-size 1
+    python -m tools.cost --config smoke
+
+Everything is counted on "meta" (no allocation, seconds) from the project's own code, at one rank's
+shapes (`runtime.meta_rank.build_rank_on_meta`: the run itself, built on "meta"), by `FlopCounter`, a
+dispatch mode that sees every op:
+* FLOPs: one training forward and backward per schedule geometry on the portable path, torch's own
+  formulas (`torch.utils.flop_counter`) for every GEMM, sorted by kind: `torch._scaled_mm` and our
+  fp8 custom ops are fp8 GEMMs, a bf16 `mm` a bf16 GEMM, others (fp32) fp32 GEMMs. The attention
+  runs as `CountedAttention`, varlen_attention's signature with FA3's exact work: 2 FLOPs per
+  (query, key) pair per q/k and v dimension in the forward, the backward recomputing QKᵀ (3 d_qk +
+  2 d_v per pair), the pairs counted from the batch's segments and the window. Pointwise ops count
+  one FLOP per output element (their time is their bytes, below);
+* bytes: every op reads its tensor inputs and writes its outputs at their dtypes (views and
+  allocations free; a gather reads the rows it returns, a scatter the rows it adds to). The Triton
+  kernels of the fast path are counted as the kernels (`FUSED_KERNELS`: their portable twins run,
+  each call one op: what it reads from memory and what it leaves there); everything else is what
+  the eager portable path moves, unfused, and `FlopCounter.fusable` estimates what fusing single-
+  reader chains (what torch.compile does first) saves;
+* the optimizer: `OptimizerManager.step` run on "meta" for each optimizer phase (Adam or not, table
+  event or not), its FLOPs and bytes, its collectives replaced by counters: the bytes each rank
+  sends per step, by kind;
+* the n-gram row pull (every step) and gradient push (each table event): from the unique-row ratios
+  `tools/bench_rows.py` measured at stage-2 shapes (below, stated), and their HBM traffic estimated.
+The floor: a roofline of every op (a GEMM or the attention at max(its FLOPs at its kind's dense
+peak, its bytes at HBM bandwidth); a memory-bound op at its bytes), the single-reader fusion's
+savings taken off; communication at the NVLink bandwidth one GPU sends; overlapped (max) and serial
+(sum). Beside it, the FLOPs alone (tensor cores at peak) and the unfused bytes. fp32 GEMMs are priced
+at the fp32 CUDA-core peak (`tf32_matmuls`: nothing enables TF32). It leaves out kernel launch gaps,
+the host, the warmup, validation, and everything a kernel does below its peak.
+
+The run's own tokens/s, MFU and peak fraction (`RunCost`, the device peaks) live in
+runtime/throughput.py and the counter (`FlopCounter`, `geometry_cost`) in runtime/op_count.py, which
+this tool shares: the run imports neither the optimizer's phases, the bytes sent nor the floors.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+from cli import parse_preset_args
+from config import RUN_PRESETS, RunConfig
+from runtime.meta_rank import build_rank_on_meta, each_with_progress, geometries, print_progress, standin_collectives
+from runtime.op_count import KINDS, FlopCounter, GeometryCost, Traffic, fused_kernels, geometry_cost
+from runtime.throughput import GEMM_KINDS, H100_SXM, H200_SXM, DevicePeak, mfu, tf32_matmuls
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# one rank's step: the model per geometry, the optimizer per phase, the n-gram rows
+# ----------------------------------------------------------------------------------------------------
+
+# tools/bench_rows.py at stage-2 shapes (8 ranks × 49,152 tokens, Tiny Shakespeare wrapped): 57k
+# distinct n-gram ids of the 98k a rank's step holds (2 per token), and the README's push figures
+# (494-558 MB per rank per table event, fp32 rows of 768) put a 4-step cycle's distinct rows at about
+# half its ids. FineWeb's ratios differ; these are stated, not measured on it.
+UNIQUE_IDS_PER_STEP = 0.58
+UNIQUE_IDS_PER_CYCLE = 0.50
+
+
+@dataclasses.dataclass
+class PhaseCost:
+    """One optimizer update (OptimizerManager.step) of a phase, on one rank."""
+    phase: object  # optim.manager.OptimizerPhase
+    steps: list[int]
+    flops: dict[str, int]
+    sent_bytes: dict[str, int]  # what this rank sends, by collective and parameter group
+    traffic: Traffic | None = None
+
+
+def counted_collectives(sent: collections.Counter, world_size: int):
+    """The manager's collectives (runtime.meta_rank.standin_collectives) as counters of the bytes this
+    rank sends on a ring (reduce-scatter and all-gather: (W-1)/W of the whole tensor; all-reduce:
+    twice that), by collective and dtype."""
+    share = (world_size - 1) / world_size
+
+    def note(kind: str, written: torch.Tensor, whole: torch.Tensor) -> None:
+        sent[f"{kind} ({whole.dtype})"] += int((2 if kind == "all-reduce" else 1) * whole.numel()
+                                               * whole.element_size() * share)
+
+    return standin_collectives(note)
+
+
+def phase_costs(rank) -> list[PhaseCost]:
+    """`OptimizerManager.step` once per optimizer phase of the schedule, on "meta", every parameter
+    holding a gradient; the untie (once, at the split) is left out."""
+    manager, schedule = rank.manager, rank.schedule
+    # the update as upstream's graphs run it: gradients released, not zeroed in place (the run's
+    # manager keeps them for its captured backward, `keep_grads`: not part of the record's step)
+    keep_grads, manager.keep_grads = manager.keep_grads, False
+    found: dict = {}  # period4 and rails change constants, not work: grouped
+    for step in range(schedule.total_steps):
+        phase = manager.phase_at(step)
+        found.setdefault(dataclasses.replace(phase, period4=False, rails=False), []).append(step)
+    costs = []
+    for phase, steps in found.items():
+        counter, sent = FlopCounter(), collections.Counter()
+        manager.split = not phase.tied
+        # the step's scalars are written on the host and copied in once (optim.manager.ScalarTable):
+        # outside the meta default device, whose host staging buffers would be meta too
+        for p in rank.model.parameters():
+            p.grad = torch.empty_like(p)  # on meta, as the parameters; the scalars load for the entries due
+        manager.load_scalars(steps[0])
+        with torch.device("meta"), counted_collectives(sent, rank.world_size), fused_kernels(counter), counter:
+            manager.step(steps[0], untie=False)
+            if manager.deferred:
+                manager.launch_deferred_gathers(steps[0])
+                manager.wait_gathers()
+        rank.model.zero_grad(set_to_none=True)
+        costs.append(PhaseCost(phase, steps, {k: counter.flops[k] for k in KINDS}, dict(sent), Traffic.of(counter)))
+    manager.split, manager.keep_grads = False, keep_grads
+    return costs
+
+
+def ngram_sent_bytes(cfg: RunConfig, world_size: int, tokens: int, accum: int, table_event: bool) -> dict[str, int]:
+    """What one rank sends per step for the n-gram rows (optim/row_exchange.py): the rows others pull
+    from it (bf16, as many as it pulls on average) and, at a table event, the cycle's gradient rows
+    owned elsewhere (fp32). The ids themselves go over the host group and are left out."""
+    if world_size == 1 or not cfg.features.ngram:
+        return {}
+    D, remote = cfg.model.model_dim, (world_size - 1) / world_size
+    ids = 2 * tokens * accum  # a bigram and a trigram id per token
+    sent = {"n-gram row pull (bf16)": int(UNIQUE_IDS_PER_STEP * ids * remote * D * 2)}
+    if table_event:
+        cycle = 4  # steps of gradients a 4-step event pushes (2 before the 4-step cadence: an upper bound)
+        sent["n-gram gradient push (fp32)"] = int(UNIQUE_IDS_PER_CYCLE * cycle * ids * remote * D * 4)
+    return sent
+
+
+# ours: host↔device bandwidth a host-memory n-gram table moves rows at (PCIe Gen5 x16: 64 GB/s each
+# way on paper; 50 GB/s is what pinned copies reach in practice, the figure upstream PR #366 planned with)
+HOST_LINK_GB_PER_S = 50.0
+# tools.cost --config record (8 ranks, 2026-12-02): the fused floor is 30.04 s and record #360 ran in
+# 39.9 s, 1.33× it; a prediction for fewer GPUs assumes the same fraction of its own floor
+RECORD_FLOOR_SECONDS = 30.04
+
+
+def host_table_bytes(cfg: RunConfig, tokens: int, accum: int, table_event: bool) -> dict[str, int]:
+    """Host↔device bytes one process moves per step for an n-gram table in host memory
+    (transfer/host_table.py): each micro-batch's distinct rows host→device, and at a table event the
+    cycle's distinct rows read and written back (the same unique-id ratios as `ngram_sent_bytes`)."""
+    D, ids = cfg.model.model_dim, 2 * tokens * accum
+    moved = {"n-gram row gather, host→device (bf16)": int(UNIQUE_IDS_PER_STEP * ids * D * 2)}
+    if table_event:
+        rows = UNIQUE_IDS_PER_CYCLE * 4 * ids  # a 4-step cycle's distinct rows (2-step cycles: fewer)
+        moved["n-gram event rows, host→device and back (bf16)"] = int(2 * rows * D * 2)
+    return moved
+
+
+@dataclasses.dataclass
+class ScheduleCost:
+    cfg: RunConfig
+    world_size: int
+    geometries: list[GeometryCost]
+    phases: list[PhaseCost]
+
+    def geometry_at(self, step: int) -> GeometryCost:
+        return self._by_step()[0][step]
+
+    def phase_at(self, step: int) -> PhaseCost:
+        return self._by_step()[1][step]
+
+    def _by_step(self):
+        if not hasattr(self, "_index"):
+            self._index = ({s: g for g in self.geometries for s in g.steps}, {s: p for p in self.phases for s in p.steps})
+        return self._index
+
+    def sent_bytes(self, step: int) -> dict[str, int]:
+        g = self.geometry_at(step)
+        return {**self.phase_at(step).sent_bytes,
+                **ngram_sent_bytes(self.cfg, self.world_size, g.tokens, g.accum, self.is_table_event(step))}
+
+    @property
+    def table_on_host(self) -> bool:
+        """Whether ngram_table (auto: by an H100's memory) puts this rank's table in host memory."""
+        from transfer.host_table import H100_MEMORY_BYTES, choose_placement
+        if not self.cfg.features.ngram:
+            return False
+        shard = self.cfg.model.ngram_rows // self.world_size * self.cfg.model.model_dim * 2
+        return choose_placement(self.cfg.ngram_table, shard, torch.device("cuda"), H100_MEMORY_BYTES)[0] == "host"
+
+    def host_bytes(self, step: int) -> dict[str, int]:
+        if not self.table_on_host:
+            return {}
+        g = self.geometry_at(step)
+        return host_table_bytes(self.cfg, g.tokens, g.accum, self.is_table_event(step))
+
+    def is_table_event(self, step: int) -> bool:
+        """The step's own table event, from its optimizer phase (a phase is per step; a geometry
+        groups steps of one shape, events or not: its first step's flag priced every step of it,
+        counting all 67 steps of 1107-1173 as events and none elsewhere)."""
+        return self.phase_at(step).phase.table_event
+
+    def floor(self, step: int, peak: DevicePeak, with_bytes: str | None = "fused") -> tuple[float, float]:
+        """(compute, communication) seconds of `step` on one rank at `peak`. with_bytes None: the
+        tensor-core FLOPs (model and optimizer) at their peaks alone. "unfused": the roofline of every
+        op the counter saw (`Traffic.seconds`), each memory-bound op reading its inputs and writing
+        its outputs; "fused": the same less what fusing single-reader chains saves. Both add the
+        estimates outside the step. Communication: the bytes sent at the link bandwidth."""
+        g, p = self.geometry_at(step), self.phase_at(step)
+        if with_bytes is None:
+            compute = sum((g.flops[k] + p.flops[k]) / (peak.tflops(k) * 1e12) for k in GEMM_KINDS)
+        else:
+            fused = with_bytes == "fused"
+            compute = g.traffic.seconds(peak, fused) + (p.traffic.seconds(peak, fused) if p.traffic else 0.0)
+            compute += sum(g.hbm_bytes.values()) / (peak.hbm_tb_per_s * 1e12)
+        comm = sum(self.sent_bytes(step).values()) / (peak.link_gb_per_s * 1e9)
+        return compute, comm
+
+
+def schedule_cost(cfg: RunConfig, world_size: int | None = None, optimizer: bool = True,
+                  progress=None) -> ScheduleCost:
+    """Every geometry's and (with `optimizer`) every optimizer phase's cost for one rank of
+    `world_size` processes; `progress` gets a line per geometry counted (main: on stderr)."""
+    world_size = world_size or cfg.virtual_world_size
+    rank = build_rank_on_meta(cfg, world_size)
+    each = each_with_progress(geometries(rank.schedule), lambda g: f"cost: geometry at step {g[0].step}", progress)
+    return ScheduleCost(cfg, world_size, [geometry_cost(rank, s, steps) for s, steps in each],
+                        phase_costs(rank) if optimizer else [])
+
+
+RECORD_SECONDS = 39.9  # record #360 (README record #92): the time the floor is compared with
+
+
+def _g(flops: float) -> str:
+    return f"{flops / 1e9:,.2f}"
+
+
+def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> str:
+    cfg, W = cost.cfg, cost.world_size
+    n = len({s for g in cost.geometries for s in g.steps})
+    off = cfg.features.off()
+    lines = [f"--config {cfg.name}, {W} process(es) × {cost.geometries[0].accum} virtual rank(s); one rank's "
+             f"step, GFLOP (forward + backward), counted on meta"
+             + (f"; switched off: {', '.join(off)} (config.FeatureConfig)" if off else ""), ""]
+    head = (f"{'steps':>11} {'n':>4} {'T/rank':>7} {'P':>6} " + " ".join(f"{k:>10}" for k in KINDS)
+            + f" {'N (M)':>6} {'6·N·T':>10} {'GB':>6} {'fused':>6}"
+            + (f" {'ms FLOPs':>8} {'ms bytes':>8}" if cost.phases else ""))
+    lines += [f"model, per geometry (N: the parameters the step's GEMMs use, see `step_parameters`; GB: the "
+              f"memory-bound ops' bytes, unfused, and fused: less what fusing single-reader chains saves; "
+              f"ms: this geometry's first step, compute, with the optimizer, on {peak.name}, FLOPs at the "
+              f"peaks alone and with every op's bytes, fused):", head]
+    for g in cost.geometries:
+        s = g.settings
+        t = g.traffic
+        row = (f"{g.steps[0]:>5}-{g.steps[-1]:<5} {len(g.steps):>4} {g.tokens:>7,} {s.softmax_p or '-':>6} "
+               + " ".join(f"{_g(g.flops[k]):>10}" for k in KINDS) + f" {sum(g.params.values()) / 1e6:>6.1f}"
+               + f" {_g(g.six_n_t):>10} {t.memory_bound_bytes / 1e9:>6.1f} {(t.memory_bound_bytes - t.fusable) / 1e9:>6.1f}")
+        if cost.phases:
+            row += (f" {1000 * cost.floor(g.steps[0], peak, None)[0]:>8.2f}"
+                    f" {1000 * cost.floor(g.steps[0], peak, 'fused')[0]:>8.2f}")
+        lines.append(row)
+    g = cost.geometries[-1]
+    lines.append("  N by group at " + f"steps {g.steps[0]}-{g.steps[-1]}: "
+                 + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in g.params.items())
+                 + f"; the model holds {_all_matrix_params(cost) / 1e6:.1f}M parameters in matrices (banks padded, "
+                 f"the full lm_head)")
+    lines += ["", "optimizer, per phase (adam / table event / tied):",
+              f"{'phase':>14} {'n':>5} " + " ".join(f"{k:>10}" for k in KINDS) + f" {'GB':>6}  sent per step (MB)"]
+    for p in cost.phases:
+        ph = p.phase
+        tag = f"{'A' if ph.adam else '-'}{'T' if ph.table_event else '-'}{'t' if ph.tied else '-'}"
+        sent = ", ".join(f"{k} {v / 1e6:,.0f}" for k, v in sorted(p.sent_bytes.items())) or "-"
+        lines.append(f"{tag:>14} {len(p.steps):>5} " + " ".join(f"{_g(p.flops[k]):>10}" for k in KINDS)
+                     + f" {p.traffic.memory_bound_bytes / 1e9:>6.1f}  {sent}")
+    steps = range(n)
+    floors = {mode: [cost.floor(s, peak, mode) for s in steps] for mode in (None, "unfused", "fused")}
+    comm = sum(f[1] for f in floors["fused"])
+    compute = {mode: sum(f[0] for f in fl) for mode, fl in floors.items()}
+    overlapped = {mode: sum(max(f) for f in fl) for mode, fl in floors.items()}
+    serial = {mode: sum(f[0] + f[1] for f in fl) for mode, fl in floors.items()}
+    model = sum(cost.geometry_at(s).model_flops for s in steps)
+    hardware = sum(cost.geometry_at(s).hardware_flops for s in steps)
+    optimizer = sum(sum(cost.phase_at(s).flops[k] for k in GEMM_KINDS) for s in steps)
+    sent, hbm, by_kind = collections.Counter(), collections.Counter(), collections.Counter()
+    gemm_bytes = fusable = 0
+    for s in steps:
+        sent.update(cost.sent_bytes(s))
+        g, p = cost.geometry_at(s), cost.phase_at(s)
+        hbm.update(g.hbm_bytes)
+        for t in (g.traffic, p.traffic):
+            if t is not None:
+                by_kind.update(t.bytes)
+                gemm_bytes += t.gemm_bytes
+                fusable += t.fusable
+    bw = peak.hbm_tb_per_s * 1e12
+    fp32 = f"fp32 at {peak.tflops('fp32 GEMM'):,.0f} ({'TF32 enabled' if tf32_matmuls() else 'TF32 off'})"
+    lines += ["", f"the schedule, {n} steps, one rank:",
+              f"  model FLOPs {model / 1e15:,.2f} PFLOP (tensor cores; {hardware / 1e15:,.2f} with FA3's backward "
+              f"recomputing QKᵀ), optimizer {optimizer / 1e15:,.3f} PFLOP",
+              "  sent: " + "; ".join(f"{k} {v / 1e9:,.1f} GB" for k, v in sorted(sent.items())),
+              f"  bytes (model and optimizer): GEMM and attention operands {gemm_bytes / 1e9:,.1f} GB (inside their "
+              f"roofline); memory-bound ops, unfused, {sum(by_kind.values()) / 1e9:,.1f} GB: "
+              + "; ".join(f"{k} {v / 1e9:,.1f}" for k, v in by_kind.items() if v)
+              + f"; fusing single-reader chains would save {fusable / 1e9:,.1f} GB ({fusable / bw:.2f} s)",
+              "  outside the step, estimated: " + ("; ".join(f"{k} {v / 1e9:,.1f} GB" for k, v in sorted(hbm.items())) or "-"),
+              f"  floor on {W}× {peak.name} ({peak.source}): fp8 GEMMs at {peak.fp8_tflops:,.0f}, bf16 at "
+              f"{peak.bf16_tflops:,.0f}, {fp32} TFLOP/s, HBM at {peak.hbm_tb_per_s} TB/s, communication "
+              f"{comm:.2f} s (at {peak.link_gb_per_s:.0f} GB/s sent per GPU); compute, overlapped (max per step), serial:",
+              f"    FLOPs alone (tensor cores at peak)          {compute[None]:6.2f} s {overlapped[None]:6.2f} s "
+              f"{serial[None]:6.2f} s",
+              f"    with every op's bytes, unfused (roofline)   {compute['unfused']:6.2f} s {overlapped['unfused']:6.2f} s "
+              f"{serial['unfused']:6.2f} s",
+              f"    with every op's bytes, fused (the floor)    {compute['fused']:6.2f} s {overlapped['fused']:6.2f} s "
+              f"{serial['fused']:6.2f} s"]
+    if cfg.name == "record" and not off and W == cfg.virtual_world_size:
+        lines.append(f"    record #360: {RECORD_SECONDS} s = {RECORD_SECONDS / overlapped['fused']:.2f}× the overlapped floor "
+                     f"({RECORD_SECONDS / overlapped['unfused']:.2f}× unfused, {RECORD_SECONDS / overlapped[None]:.2f}× "
+                     f"FLOPs alone), {RECORD_SECONDS / serial['fused']:.2f}× the serial one")
+        lines.append(f"    MFU basis (train_gpt.py's mfu): model FLOPs / (time × {peak.bf16_tflops:,.1f} TFLOP/s bf16 dense "
+                     f"peak): record #360 at {RECORD_SECONDS} s on {W} GPUs would be "
+                     f"{mfu(model, RECORD_SECONDS, peak):.1%} (peak fraction, each kind at its own peak: "
+                     f"{overlapped[None] / RECORD_SECONDS:.1%})")
+    else:
+        lines.append(f"    MFU basis (train_gpt.py's mfu): model FLOPs / (time × {peak.bf16_tflops:,.1f} TFLOP/s bf16 "
+                     f"dense peak); peak fraction: each kind at its own peak")
+    if W < cfg.virtual_world_size:
+        lines += _fewer_gpus_lines(cost, steps)
+    lines.append("  left out: launch gaps, the host, the warmup and validation (off the clock), kernels below "
+                 "peak, fusion beyond single-reader chains, the ids' host exchange, the one-off untie")
+    return "\n".join(lines)
+
+
+def _fewer_gpus_lines(cost: ScheduleCost, steps) -> list[str]:
+    """The record's recipe on fewer GPUs than its ranks: host↔device bytes of a host-memory table and a
+    predicted time per GPU model, each step's compute, link and host copies overlapped."""
+    W = cost.world_size
+    host = collections.Counter()
+    for s in steps:
+        host.update(cost.host_bytes(s))
+    lines = [f"  the recipe on {W} GPU(s): n-gram table in {'host' if cost.table_on_host else 'device'} memory"
+             + (": " + "; ".join(f"{k} {v / 1e9:,.1f} GB" for k, v in sorted(host.items()))
+                + f" over the run, {sum(host.values()) / 1e9 / len(steps):.2f} GB per step on average "
+                f"(at {HOST_LINK_GB_PER_S:.0f} GB/s, {sum(host.values()) / (HOST_LINK_GB_PER_S * 1e9):.1f} s in all, "
+                f"on a side stream under the compute)" if host else "")]
+    for peak in (H100_SXM, H200_SXM):
+        total = 0.0
+        for s in steps:
+            compute, comm = cost.floor(s, peak, "fused")
+            total += max(compute, comm, sum(cost.host_bytes(s).values()) / (HOST_LINK_GB_PER_S * 1e9))
+        lines.append(f"  predicted on {W}× {peak.name}: floor {total:.1f} s × {RECORD_SECONDS / RECORD_FLOOR_SECONDS:.2f} "
+                     f"(record #360's {RECORD_SECONDS} s over its 8-GPU floor of {RECORD_FLOOR_SECONDS} s) = "
+                     f"{total * RECORD_SECONDS / RECORD_FLOOR_SECONDS:.0f} s")
+    lines.append("  assumes: the same fraction of the floor as the record on 8×H100, host copies hidden under "
+                 "compute, FineWeb's distinct-row ratios as measured on Tiny Shakespeare (UNIQUE_IDS_PER_STEP)")
+    return lines
+
+
+def _all_matrix_params(cost: ScheduleCost) -> int:
+    """Every parameter in a matrix except the lookup tables: what 6·N·T counted before it counted use."""
+    from model.summary import build_on_meta
+
+    model = build_on_meta(cost.cfg.model, cost.cfg.features)
+    lookups = ("embed", "value_embeds")
+    return sum(p.numel() for name, p in model.named_parameters()
+               if p.dim() >= 2 and not any(name.startswith(k) for k in lookups))
+
+
+def main(argv=None) -> None:
+    args = parse_preset_args("python -m tools.cost", __doc__.split("\n\n")[0], argv, RUN_PRESETS,
+                             world_size_help="processes (default: the preset's ranks, 8 for record and dev; "
+                                             "2 for smoke)",
+                             ranks_of=lambda name: RUN_PRESETS[name].virtual_world_size)
+    cfg = args.run_config  # the preset, --set applied (e.g. --set features.sampled_softmax=false)
+    print(format_cost(schedule_cost(cfg, args.world_size, progress=print_progress)))
+
+
+if __name__ == "__main__":
+    main()
