@@ -32,48 +32,8 @@ from pathlib import Path
 
 from records.run_log import parse_log
 from records.runs_log import DEFAULT_RUNS_PATH, read_runs
-
-TARGET_VAL_LOSS = 3.28  # the speedrun's target (track 1: val loss <= 3.28 on FineWeb)
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
-
-
-def _fmt_pm(mean: float, std: float, digits: int) -> str:
-    return f"{mean:.{digits}f} ± {std:.{digits}f}" if not math.isnan(std) else f"{mean:.{digits}f}"
-
-
-def _fmt_p(p: float | None) -> str:
-    if p is None:
-        return "needs scipy"
-    return "n/a" if math.isnan(p) else f"{p:.2e}"
-
-
-def target_test(losses: list[float], target: float = TARGET_VAL_LOSS):
-    """(t margin below target, degrees of freedom, one-sided p or None without scipy)."""
-    n = len(losses)
-    if n < 2:
-        return math.nan, 0, math.nan
-    mean, std = _mean_std(losses)
-    t_margin = (target - mean) / (std / math.sqrt(n)) if std > 0 else math.inf
-    try:
-        from scipy import stats
-    except ImportError:
-        return t_margin, n - 1, None
-    return t_margin, n - 1, float(stats.ttest_1samp(losses, target, alternative="less").pvalue)
-
-
-def welch_p(a: list[float], b: list[float]) -> float | None:
-    """Two-sided Welch p of mean(a) != mean(b); nan when a side has fewer than 2 runs."""
-    if len(a) < 2 or len(b) < 2:
-        return math.nan
-    try:
-        from scipy import stats
-    except ImportError:
-        return None
-    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
-
+from records.statistics import TARGET as TARGET_VAL_LOSS
+from records.statistics import fmt_p, fmt_pm, mean_std, target_test, welch_p
 
 def group_runs(runs: list[dict], key: str) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = {}
@@ -108,7 +68,7 @@ class Comparison:
 
 def group_stats(losses: list[float], times_s: list[float], target: float = TARGET_VAL_LOSS) -> GroupStats:
     t_margin, df, p = target_test(losses, target)
-    return GroupStats(len(losses), *_mean_std(times_s), *_mean_std(losses), t_margin, df, p)
+    return GroupStats(len(losses), *mean_std(times_s), *mean_std(losses), t_margin, df, p)
 
 
 def compare(losses: list[float], times_s: list[float], base_losses: list[float],
@@ -119,12 +79,12 @@ def compare(losses: list[float], times_s: list[float], base_losses: list[float],
 
 def format_group_cells(g: GroupStats) -> list[str]:
     """n, time, loss, t, df, p: the report's formatting (records.certify prints the same cells)."""
-    return [str(g.n), _fmt_pm(g.time_mean_s, g.time_std_s, 3), _fmt_pm(g.loss_mean, g.loss_std, 5),
-            "n/a" if math.isnan(g.t_margin) else f"{g.t_margin:.2f}", str(g.df), _fmt_p(g.p_below_target)]
+    return [str(g.n), fmt_pm(g.time_mean_s, g.time_std_s, 3), fmt_pm(g.loss_mean, g.loss_std, 5),
+            "n/a" if math.isnan(g.t_margin) else f"{g.t_margin:.2f}", str(g.df), fmt_p(g.p_below_target)]
 
 
 def format_comparison_cells(c: Comparison) -> list[str]:
-    return [f"{c.d_time_s:+.3f}", _fmt_p(c.p_time), f"{c.d_loss:+.5f}", _fmt_p(c.p_loss)]
+    return [f"{c.d_time_s:+.3f}", fmt_p(c.p_time), f"{c.d_loss:+.5f}", fmt_p(c.p_loss)]
 
 
 def is_finished(run: dict) -> bool:

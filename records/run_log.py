@@ -26,6 +26,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from records.statistics import VAL_RE
 from runtime.source import SOURCE_RULE, format_source_line, read_source, run_source_files
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +74,7 @@ def format_peak_memory_line(allocated_mib: float, reserved_mib: float) -> str:
 
 
 _STEP_RE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:([0-9.]+)ms(?: tokens/s:\d+)?(?: mfu:[0-9.]+%)?(?: peak_fraction:[0-9.]+%)?$")
-_VAL_RE = re.compile(r"^step:(\d+)/(\d+) val_loss:([0-9.naif+-]+) train_time:(\d+)ms step_avg:([0-9.]+)ms$")
+_VAL_RE = VAL_RE  # records/statistics.py: one pattern for the log, the report and a certification folder
 _TRAIN_LOSS_RE = re.compile(r"^step:(\d+)/(\d+) train_loss:([0-9.naif+-]+)$")
 _PEAK_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB$")
 

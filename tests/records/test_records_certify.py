@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from records import certify, report
+from records import certify, report, run_log
+from records import statistics as statistics_module
 
 FAKE_TRAINER = r'''
 import argparse, datetime, json, os, subprocess, sys, uuid
@@ -169,6 +170,9 @@ def test_interleaved_runs_statistics_match_report_and_standalone_script(toy, mon
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert imported <= set(sys.stdlib_module_names) | {"scipy"}, imported  # nothing of this repository
+    # the folder's script is the repository's statistics module, verbatim: one t-test, one val-line pattern
+    assert (out / "statistics.py").read_text() == Path(statistics_module.__file__).read_text()
+    assert report.target_test is statistics_module.target_test and run_log._VAL_RE is statistics_module.VAL_RE
     assert "python -m records.certify --baseline " + commits["baseline"] in (out / "README.md").read_text()
     # the curves picture: written, shown in both pages, one training curve per finished run
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
