@@ -200,7 +200,7 @@ class FeatureConfig:
     """Which of the record's features a run has: `--set features.ngram=false` and so on. Every
     default is the record (all on). A switched-off feature costs nothing: no tensor allocated, no
     kernel launched, no collective, no host work (docs/features.md lists each with #360's
-    measured gain). The other switches that price a feature exist elsewhere:
+    measured gain); `residual_fusions` off runs the plain expressions in their place. The other switches that price a feature exist elsewhere:
     `--set optim.bank_optimizer=normuon` (ANVIL -> record #89's NorMuon), SPEEDRUN_CUDA_GRAPHS=0
     and SPEEDRUN_COMPILE=0 (ops/backend.py: execution paths, not math)."""
     # PR #360 ("New Embedding Table"): the 84.6M-row hashed bigram + trigram table, its
@@ -222,10 +222,15 @@ class FeatureConfig:
     prefix_loss: bool = True
     # in record #89's tree (fp8 lm_head and MLP forward; PR #342 the down projection), extended by
     # PR #344 (packed fp8 QKV) and PR #360 (fp8 MLP backward, cached lm_head, e4m3 logits). Off:
-    # bf16 GEMMs everywhere, no fp8 weight caches. This is the recipe switch (any preset, recorded
-    # with the run); SPEEDRUN_FP8=0 (ops/backend.py) says the hardware cannot run fp8 GEMMs and the
-    # record preset refuses it. A run trains in fp8 only when both are on.
+    # bf16 GEMMs everywhere, no fp8 weight caches. The one fp8 switch (any preset, recorded with the
+    # run); a device without fp8 GEMMs (below SM89: ops/backend.py reads it from the device) trains in
+    # bf16 whatever it says, and the record preset refuses such a device.
     fp8: bool = True
+    # PR #360 (record #92's residual fusions): `scale`/`scale_add` with 0-D λ's at every residual site,
+    # the attention post-λ riding the O projection, the MLP post-λ folded into the fp8 down-projection
+    # scale, `rms_norm_with_head` for the value-embedding gates (ops/residual_fusion.py). Off: the plain
+    # expressions r·x + p·y, the same math rounded in another order, in more kernels.
+    residual_fusions: bool = True
 
     def off(self) -> list[str]:
         """The switched-off features' names, in field order."""
@@ -240,6 +245,7 @@ FEATURE_REMOVES = {
     "mtp": "next-token loss only",
     "prefix_loss": "no prefix term, no prefix table",
     "fp8": "bf16 GEMMs, no fp8 caches",
+    "residual_fusions": "plain residual products r·x + p·y, the post-λ's outside the O and down projections",
 }
 
 

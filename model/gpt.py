@@ -11,8 +11,8 @@ pre gate (23 lanes, from x0) and the post gate (13 lanes, at layer 4).
 The residual updates use the fusions of ops/residual_fusion.py (record #360; docs/design.md): `scale` /
 `scale_add` with 0-D λ's, the attention post-λ carried into the O weight (`o_gain`), the MLP post-λ
 folded into the fp8 down-projection scale in training (`scale_add` with the bf16 MLP otherwise),
-and `rms_norm_with_head` for the value-embedding gates. `fused_residuals=False` runs the plain
-expressions instead (for benchmarks and comparisons; same math).
+and `rms_norm_with_head` for the value-embedding gates. `--set features.residual_fusions=false` runs the
+plain expressions instead (same math, rounded in another order; tools/bench_residual_fusion.py times both).
 
 Forward contract (B = 1; T tokens of the rank's packed batch):
     loss = model(inputs, targets, cu_seqlens, ngram_rows, ngram_sign_rows, step)
@@ -139,12 +139,13 @@ def norm(x: Tensor) -> Tensor:
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, fp8: bool = True,
-                 fused_residuals: bool = True, features: FeatureConfig = FeatureConfig()):
-        """fp8: the backend can run fp8 GEMMs (SPEEDRUN_FP8); training uses them when features.fp8
-        too. features: the record features this model has (config.FeatureConfig); a switched-off
+                 features: FeatureConfig = FeatureConfig()):
+        """fp8: the device runs fp8 GEMMs (ops.backend's `fp8`, read from the device); training uses
+        them when features.fp8, the one switch, is on too. features: the record features this model has (config.FeatureConfig); a switched-off
         one leaves no parameter, buffer or op behind (`switched_off_parameters`)."""
         super().__init__()
-        self.cfg, self.fused_residuals, self.features = cfg, fused_residuals, features
+        self.cfg, self.features = cfg, features
+        self.fused_residuals = features.residual_fusions
         self.fp8 = fp8 and features.fp8
         V, D, H, hd = cfg.vocab_size, cfg.model_dim, cfg.num_heads, cfg.head_dim
         h = cfg.mudd_hidden_dim

@@ -5,7 +5,6 @@ the op's public function asks `current()` which one to call. The choice comes fr
 can be overridden with environment variables (read once, at first use):
 
     SPEEDRUN_TRITON=0|1          Triton kernels (default: 1 on CUDA, 0 on CPU; 1 on CPU needs TRITON_INTERPRET=1)
-    SPEEDRUN_FP8=0|1             fp8 training MLP / lm_head (default: 1 where fp8 GEMMs run: SM89+, and CPU)
     SPEEDRUN_ATTENTION=sdpa|flex|fa3   attention backend (default: fa3 on SM90, flex on other CUDA, sdpa on CPU)
     SPEEDRUN_COMPILE=0|1         torch.compile the model (default: 1 on CUDA, 0 on CPU)
     SPEEDRUN_COMPILE_BACKEND=inductor|aot_eager|eager   torch.compile's backend (default inductor;
@@ -53,7 +52,7 @@ class Backend:
     device: str  # "cpu" or "cuda"
     sm: int  # compute capability as 10*major + minor (90 for H100); 0 on CPU
     triton: bool
-    fp8: bool
+    fp8: bool  # the device runs fp8 GEMMs (torch._scaled_mm: SM89+, and CPU); the switch is features.fp8
     attention: str
     compile: bool
     compile_backend: str = "inductor"
@@ -74,10 +73,13 @@ class Backend:
 
 
 # Every SPEEDRUN_* variable the project reads; any other name with the prefix is refused as a typo.
-BACKEND_VARIABLES = ("SPEEDRUN_TRITON", "SPEEDRUN_FP8", "SPEEDRUN_ATTENTION", "SPEEDRUN_COMPILE",
+BACKEND_VARIABLES = ("SPEEDRUN_TRITON", "SPEEDRUN_ATTENTION", "SPEEDRUN_COMPILE",
                      "SPEEDRUN_COMPILE_BACKEND", "SPEEDRUN_CUDA_GRAPHS", "SPEEDRUN_SYNC_CHECK",
                      "SPEEDRUN_HOST_CHECKS", "SPEEDRUN_OVERLAP", "SPEEDRUN_PINNED_BATCHES", "SPEEDRUN_FUSED_QKV",
                      "SPEEDRUN_SHARDED_PREFIX", "SPEEDRUN_DEFERRED_GATHERS", "SPEEDRUN_ROW_PREFETCH")
+# Variables that switched something once, with where the switch lives now.
+RETIRED_VARIABLES = {"SPEEDRUN_FP8": "fp8 has one switch, the recipe's: --set features.fp8=false (bf16 GEMMs); "
+                                     "whether the device runs fp8 GEMMs is read from the device"}
 OTHER_VARIABLES = ("SPEEDRUN_FA3_DIR",  # ops/attention_backends.py: a local FA3 build
                    "SPEEDRUN_STREAM_CHECK",  # transfer/streams.py: the side-stream checks on CPU (tests: always)
                    "SPEEDRUN_FAKE_GPU", "SPEEDRUN_CROSS_COMPILE_TRACEBACK",  # tools/cross_compile.py's own
@@ -102,7 +104,7 @@ def unknown_variables(env=os.environ) -> list[str]:
     problems = []
     for name in sorted(n for n in env if n.startswith("SPEEDRUN_") and n not in known):
         close = difflib.get_close_matches(name, known, n=1)
-        hint = f"did you mean {close[0]}?" if close else "see the README's switch table"
+        hint = RETIRED_VARIABLES.get(name) or (f"did you mean {close[0]}?" if close else "see the README's switch table")
         problems.append(f"{name}={env[name]}: unknown variable, nothing reads it; {hint}")
     return problems
 
@@ -140,7 +142,7 @@ def detect(env=os.environ, device: str | None = None) -> Backend:
         device=device,
         sm=sm,
         triton=triton,
-        fp8=flag("SPEEDRUN_FP8", device == "cpu" or sm >= 89),  # torch._scaled_mm: SM89+ or CPU
+        fp8=device == "cpu" or sm >= 89,  # torch._scaled_mm runs: SM89+ or CPU (features.fp8 is the switch)
         attention=attention,
         compile=flag("SPEEDRUN_COMPILE", device == "cuda"),
         compile_backend=compile_backend,
@@ -168,7 +170,7 @@ def require_fast_path(backend: Backend) -> None:
     if not backend.triton:
         missing.append("Triton kernels (SPEEDRUN_TRITON=0 or Triton unavailable)")
     if not backend.fp8:
-        missing.append("fp8 GEMMs (SPEEDRUN_FP8=0)")
+        missing.append("fp8 GEMMs (the device runs none)")
     if backend.attention != "fa3":
         missing.append(f"FA3 attention (SPEEDRUN_ATTENTION={backend.attention})")
     if not backend.compile:

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from cli import ArgumentParser, exit_on_config_error, non_negative_int, positive_int
-from config import MODEL_PRESETS
+from config import MODEL_PRESETS, FeatureConfig
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
 
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     dtype = torch.float32 if args.fp32 else torch.bfloat16
     torch.manual_seed(0)
     fused = GPT(cfg, dtype=dtype, fp8=not args.no_fp8)
-    plain = GPT(cfg, dtype=dtype, fp8=not args.no_fp8, fused_residuals=False)
+    plain = GPT(cfg, dtype=dtype, fp8=not args.no_fp8, features=FeatureConfig(residual_fusions=False))
     plain.load_state_dict(fused.state_dict())
     models = {"fused": fused, "plain": plain}
     batch = make_batch(cfg, args.tokens)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from config import MODEL_PRESETS
+from config import MODEL_PRESETS, FeatureConfig
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
 from tests.recipe import pin, recipe
@@ -66,7 +66,7 @@ def test_fused_residuals_equal_the_plain_expressions():
         fused.post_lambdas.uniform_(0.5, 1.5)
         fused.resid_lambdas.uniform_(0.8, 1.2)
         fused.scalars[22] = 0.3  # smear on
-    plain = GPT(cfg, dtype=torch.float32, fp8=False, fused_residuals=False)
+    plain = GPT(cfg, dtype=torch.float32, fp8=False, features=FeatureConfig(residual_fusions=False))
     plain.load_state_dict(fused.state_dict())
     inputs, targets, cu, rows, signs = _batch(cfg, 96, seed=2, vocab=512)
     rows = rows.float()

@@ -21,10 +21,19 @@ def test_triton_on_cpu_is_opt_in_and_needs_the_interpreter():
 
 
 def test_env_overrides_and_bad_values():
-    b = be.detect(env={"SPEEDRUN_FP8": "0", "SPEEDRUN_ATTENTION": "flex"}, device="cpu")
-    assert (b.fp8, b.attention) == (False, "flex")
-    with pytest.raises(ValueError, match="SPEEDRUN_FP8=yes: must be 0 or 1"):
-        be.detect(env={"SPEEDRUN_FP8": "yes"}, device="cpu")
+    b = be.detect(env={"SPEEDRUN_CUDA_GRAPHS": "1", "SPEEDRUN_ATTENTION": "flex"}, device="cpu")
+    assert (b.cuda_graphs, b.attention, b.fp8) == (True, "flex", True)  # fp8 GEMMs run on a CPU
+    with pytest.raises(ValueError, match="SPEEDRUN_COMPILE=yes: must be 0 or 1"):
+        be.detect(env={"SPEEDRUN_COMPILE": "yes"}, device="cpu")
+
+
+def test_fp8_has_one_switch_and_the_old_variable_says_where_it_is():
+    """features.fp8 is the switch (config.py); the backend only reads whether the device runs fp8 GEMMs."""
+    assert "SPEEDRUN_FP8" not in be.BACKEND_VARIABLES
+    assert be.detect(env={"SPEEDRUN_FP8": "0"}, device="cpu").fp8  # not read: config_check refuses it instead
+    [problem] = be.unknown_variables({"SPEEDRUN_FP8": "0"})
+    assert problem.startswith("SPEEDRUN_FP8=0: unknown variable, nothing reads it; fp8 has one switch, the recipe's: "
+                              "--set features.fp8=false")
     with pytest.raises(ValueError, match="SPEEDRUN_ATTENTION"):
         be.detect(env={"SPEEDRUN_ATTENTION": "xformers"}, device="cpu")
 
@@ -89,9 +98,9 @@ def test_every_bad_variable_is_reported_at_once_and_typos_are_named():
     from config import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        be.detect(env={"SPEEDRUN_FP8": "2", "SPEEDRUN_ATTENTION": "flash", "SPEEDRUN_ROW_PREFETCH": "true"}, device="cpu")
+        be.detect(env={"SPEEDRUN_COMPILE": "2", "SPEEDRUN_ATTENTION": "flash", "SPEEDRUN_ROW_PREFETCH": "true"}, device="cpu")
     assert [p.split(":")[0] for p in err.value.problems] == [
-        "SPEEDRUN_ATTENTION=flash", "SPEEDRUN_FP8=2", "SPEEDRUN_ROW_PREFETCH=true"]
+        "SPEEDRUN_ATTENTION=flash", "SPEEDRUN_COMPILE=2", "SPEEDRUN_ROW_PREFETCH=true"]
     assert be.unknown_variables({"SPEEDRUN_CUDAGRAPHS": "1", "SPEEDRUN_FA3_DIR": "/x", "OTHER": "1"}) == [
         "SPEEDRUN_CUDAGRAPHS=1: unknown variable, nothing reads it; did you mean SPEEDRUN_CUDA_GRAPHS?"]
     # docs/execution_paths.md's switch table names every variable the backend reads

@@ -120,8 +120,10 @@ def _bad_inputs(shards: Path, tmp: Path, checkpoint: Path, gap: Path = Path("gap
         ("--quick with another preset", ["--quick", "--config", "record", *data], {},
          ["--quick runs the smoke preset; drop --config record (or --quick)"]),
         ("several problems at once", [*data, "--val-tokens", "3000", "--max-steps", "0", "--val-every", "-2"],
-         {"SPEEDRUN_FP8": "yes"},
-         ["SPEEDRUN_FP8=yes: must be 0 or 1", "--max-steps 0", "--val-every -2", "--val-tokens 3000"]),
+         {"SPEEDRUN_ROW_PREFETCH": "yes"},
+         ["SPEEDRUN_ROW_PREFETCH=yes: must be 0 or 1", "--max-steps 0", "--val-every -2", "--val-tokens 3000"]),
+        ("the retired fp8 variable", data, {"SPEEDRUN_FP8": "0"},
+         ["SPEEDRUN_FP8=0: unknown variable, nothing reads it; fp8 has one switch, the recipe's: --set features.fp8=false"]),
     ]
 
 

@@ -63,7 +63,7 @@ def _step_args(model: GPT, schedule: TrainingSchedule, step: int) -> StepArgs:
 
 
 def test_every_switch_defaults_to_the_record_and_is_set_from_the_command_line():
-    assert FEATURES == ["ngram", "value_embeds", "sampled_softmax", "mtp", "prefix_loss", "fp8"]
+    assert FEATURES == ["ngram", "value_embeds", "sampled_softmax", "mtp", "prefix_loss", "fp8", "residual_fusions"]
     for preset in RUN_PRESETS.values():
         assert preset.features == FeatureConfig() and FeatureConfig().off() == []
     assert features_line(FeatureConfig()) is None  # the record logs no features line
@@ -149,11 +149,10 @@ def test_without_value_embeds_the_model_is_the_record_model_with_zero_value_embe
     """V gets nothing but layer 10's MUDD mix, and the post-loop mix drops the four planes: the
     record model (fp32 here, so that only summation order differs) with zero planes."""
     torch.manual_seed(0)
-    record = GPT(SMOKE.model, dtype=torch.float32, fp8=False, fused_residuals=False)
+    record = GPT(SMOKE.model, dtype=torch.float32, fp8=False, features=FeatureConfig(residual_fusions=False))
     with torch.no_grad():
         record.value_embeds.zero_()
-    ablated = GPT(SMOKE.model, dtype=torch.float32, fp8=False, fused_residuals=False,
-                  features=_only_off("value_embeds"))
+    ablated = GPT(SMOKE.model, dtype=torch.float32, fp8=False, features=FeatureConfig(value_embeds=False, residual_fusions=False))
     ablated.load_state_dict({k: v for k, v in record.state_dict().items()
                              if k not in ("value_embeds", "ve_gate_bank")})
     with torch.no_grad():  # make the MUDD mix's value-embedding coefficients matter, were they kept

@@ -91,7 +91,7 @@ def test_each_faked_gpu_compiles_the_backend_a_run_on_it_gets(monkeypatch, sm, f
     assert (backend.sm, backend.fp8, backend.attention, backend.triton) == (sm, fp8, attention, True)
     assert backend == detect({}, device="cuda")  # one function decides, for the run and the cross-compile
     assert f"fp8 {'on' if fp8 else 'off'}, attention {attention}" in describe_backend(backend)
-    assert not target_backend({"SPEEDRUN_FP8": "0"}).fp8  # the run's switches apply
+    assert not target_backend({"SPEEDRUN_FUSED_QKV": "0"}).fused_qkv  # the run's switches apply
     with pytest.raises(ConfigError, match="SPEEDRUN_COMPILE"):  # eager graphs are not what is cross-compiled
         target_backend({"SPEEDRUN_COMPILE": "0"})
 
