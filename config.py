@@ -139,7 +139,7 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Optimizer constants (record #360: track_1_short/optim/anvil.py and runtime/training.py). NorMuon's are
+    """Optimizer constants (record #360: track_1_short/optim/anvil.py and training.py). NorMuon's are
     record #89's."""
     bank_optimizer: str = "anvil"           # "anvil" (record #360) or "normuon" (record #89)
     anvil_lr: float = 0.023                 # record #360

@@ -11,7 +11,7 @@ targets, with no masking at document ends. In training the logits come from the 
 (ops/fp8.py); validation uses bf16 logits and a softcap in bf16, then a plain fp32 cross-entropy
 averaged over tokens.
 
-perf/ implements this math for training (a kernel imports no model file, so the kernel module
+ops/ implements this math for training (a kernel imports no model file, so the kernel module
 restates it; tests/ops/test_ops_cross_entropy.py and tests/model/test_model_loss.py hold
 it to `softcapped_ce`). With fp8 (the record), `fp8_lm_head_loss` (ops/fp8.py) is the GEMM and the
 CE in one autograd node: e4m3 logits go straight into the softcapped CE, which keeps only them
