@@ -1,6 +1,10 @@
-"""Triton kernels of the fast path; each has a portable twin and a parity test.
+"""What the math computes with: the Triton kernels of the fast path, each with its portable twin and a
+parity test (cross_entropy, mlp, ngram_embed, qkv_rope, symmetric_matmul, transpose, value_embed), fp8
+(whose delayed scales are part of the recipe: ops/mlp.py's Fp8MLPState), the attention backends, the
+residual fusions, and the backend choice. The bottom layer: it imports no model, optimizer or run
+module (tests/test_imports.py).
 
-Every kernel module is imported through this package, so a fix to the Triton interpreter that the
+Every module here is imported through this package, so a fix to the Triton interpreter that the
 CPU parity tests (TRITON_INTERPRET=1) need lives here, once, switched on the version it applies to.
 Compiled kernels (a GPU, the SM90 cross-compiles) never run the interpreter and see no change.
 """

@@ -56,14 +56,14 @@ def single_thread():
 # `.ci/run`'s --durations summed per file, the long subprocess runs of tests/long_runs.py included).
 # A stale order costs only time; a file that no longer exists stops the session.
 LONGEST_FILES_FIRST = (   # seconds per file, fresh clone of e109c7e, 2 workers, load 4-6 (2026-12-03)
-    "tests/run/test_run_smoke.py",                     # 760: the 2-rank smoke acceptance run, 70 steps
-    "tests/tools/test_tools_cross_compile.py",           # 605: SM90 and L40S cross-compiles
-    "tests/run/test_run_train.py",                     # 320
-    "tests/model/test_model_compile_record.py",        # 272: the record shapes traced
-    "tests/tools/test_tools_gpu_check.py",         # 257: gpu_check's dry run
-    "tests/run/test_run_virtual_ranks.py",             # 251
-    "tests/runtime/test_runtime_cuda_graphs_capture.py",     # 90
-    "tests/transfer/test_transfer_host_table.py",              # 73
+    "tests/run/test_run_smoke.py",                          # 760: the 2-rank smoke acceptance run, 70 steps
+    "tests/tools/test_tools_cross_compile.py",              # 605: SM90 and L40S cross-compiles
+    "tests/run/test_run_train.py",                          # 320
+    "tests/model/test_model_compile_record.py",             # 272: the record shapes traced
+    "tests/tools/test_tools_gpu_check.py",                  # 257: gpu_check's dry run
+    "tests/run/test_run_virtual_ranks.py",                  # 251
+    "tests/runtime/test_runtime_cuda_graphs_capture.py",    # 90
+    "tests/transfer/test_transfer_host_table.py",           # 73
     "tests/records/test_records_certify.py",
     "tests/optim/test_optim_distributed.py",
     "tests/tools/test_tools_capture_contract.py",

@@ -86,7 +86,7 @@ def test_what_the_check_leaves_out_by_name():
 
 @pytest.fixture(scope="module")
 def smoke_cost():
-    """Smoke's first 6 steps on one process: the keys its twin captures (test_perf_cuda_graphs_capture)."""
+    """Smoke's first 6 steps on one process: the keys its twin captures (test_runtime_cuda_graphs_capture)."""
     from config import RUN_PRESETS
     from tools.capture_cost import capture_check_cost
     from runtime.meta_rank import build_rank_on_meta

@@ -129,7 +129,7 @@ def test_per_step_python_scalar_in_the_forward_is_caught_with_both_values():
     model, manager, checker = toy()
     toy_steps(model, manager, checker, range(4), forward_hook=lambda loss, step: loss * (1.0 + step))
     found = messages(checker, "Python scalar changes")  # the forward's mul, and its backward's
-    assert any(m.startswith("aten::mul") and "test_perf_cuda_graphs_contract.py" in m and "loss * (1.0 + step)" in m
+    assert any(m.startswith("aten::mul") and "test_tools_capture_contract.py" in m and "loss * (1.0 + step)" in m
                and "2.0 at the capture call, 3.0 now" in m for m in found), found
 
 
@@ -177,7 +177,7 @@ def test_item_is_caught_with_the_line():
 
     toy_steps(model, manager, checker, range(2), forward_hook=read)
     (msg,) = messages(checker, "host sync")
-    assert "_local_scalar_dense" in msg and "test_perf_cuda_graphs_contract.py" in msg and "loss.item()" in msg
+    assert "_local_scalar_dense" in msg and "test_tools_capture_contract.py" in msg and "loss.item()" in msg
 
 
 def test_per_step_input_outside_a_static_buffer_is_caught():
