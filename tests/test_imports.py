@@ -239,6 +239,13 @@ def test_no_circle_among_the_rooms():
     assert room_circles(import_graph(REPO)) == []
 
 
+def test_nothing_imports_the_run_script():
+    """What the tools need from a run (Setup, Run) lives in runtime/training.py; the tests call
+    train_gpt.main() only. Lazy imports inside functions count (the graph reads them)."""
+    graph = import_graph(REPO)
+    assert [name for name, imported in graph.items() if "train_gpt" in imported and room(name) != "tests"] == []
+
+
 def test_no_room_holds_more_than_40_percent_of_the_code():
     modules = repository_modules(REPO)
     lines: dict[str, int] = {}
