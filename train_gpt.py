@@ -36,7 +36,9 @@ from model.canonical_mask import CanonicalMaskBuild
 from model.prefix import STORED_TABLE, build_prefix_table, build_prefix_table_sharded, gpt2_bpe_available
 from optim.schedule import TrainingSchedule
 from optim.tail_average import TailAverages
-from transfer.collectives import named_timeouts
+from records.run_log import (format_peak_memory_line, format_step_line, format_train_loss_line, format_val_line,
+                             progress_bar)
+from records.run_record import RunRecorder
 from runtime.checkpoints import CheckpointError, load_checkpoint, save_checkpoint
 from runtime.compile import allocator_settings_line, check_warmup_compiled, compiled_graphs
 from runtime.config_check import check_run, records_folder, records_folder_problems, shard_globs
@@ -45,9 +47,7 @@ from runtime.preflight import check_node
 from runtime.sync_check import host_side, sync_check
 from runtime.throughput import RunCost, device_peak
 from runtime.training import Run, Setup
-from records.run_log import (format_peak_memory_line, format_step_line, format_train_loss_line, format_val_line,
-                             progress_bar)
-from records.run_record import RunRecorder
+from transfer.collectives import named_timeouts
 
 PRINT_EVERY = 25  # record #360: a step line every 25 steps, plus the last two
 MIB = 1 << 20

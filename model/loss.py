@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 from model.canonical_mask import apply_canonical_mask
 from ops.backend import host_checks
-from ops.fp8 import fp8_lm_head_loss
 from ops.cross_entropy import softcapped_loss_lse
+from ops.fp8 import fp8_lm_head_loss
 
 SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5  # record #360: z = 23·σ((ℓ + 5)/7.5)
 LM_HEAD_INIT_STD = 0.005  # record #360

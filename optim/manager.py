@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from config import OptimConfig
+from ops.transpose import transpose_add_, transpose_into
 from optim.adam import (EMBED, LM_HEAD, RECORD_PARAM_TABLE, VALUE_EMBEDS, AdamState, ParamRule,
                         RowAdamState, adam_apply, adam_step_scalars, build_param_table, embed_moments_from_lm_head,
                         row_sparse_adam_event, value_embed_hparams)
@@ -57,9 +58,8 @@ from optim.anvil import BankState, BankStepScalars, anvil_update, rail_settings,
 from optim.normuon import muon_momentum, normuon_update
 from optim.row_exchange import RowExchange, RowPlan
 from optim.schedule import TrainingSchedule
-from transfer.collectives import all_gather_single, reduce_scatter_single
-from ops.transpose import transpose_add_, transpose_into
 from transfer import streams
+from transfer.collectives import all_gather_single, reduce_scatter_single
 from transfer.pinned_batches import PinnedStaging
 
 

@@ -29,20 +29,20 @@ from data.ngram import ngram_hash_sizes
 from model.embeddings import NgramTable, ngram_shard_range
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
+from ops import backend as ops_backend
+from ops.mlp import FP8_EXACT_SCALE_CALLS, roll_delayed_scales
 from optim.lanes import Lanes
 from optim.manager import NgramRowOptimizer, OptimizerManager
 from optim.row_exchange import RowExchange
 from optim.schedule import StepWeights, TrainingSchedule
-from ops import backend as perf_backend
-from transfer import streams
 from runtime.collective_order import CollectiveRecorder
 from runtime.compile import compile_model, compiled_graphs
 from runtime.cuda_graphs.capture import RegionGraphs
 from runtime.cuda_graphs.state import run_state
-from transfer.host_table import HostRows, choose_placement
-from ops.mlp import FP8_EXACT_SCALE_CALLS, roll_delayed_scales
-from transfer.pinned_batches import PinnedBatchRing
 from runtime.sync_check import host_side
+from transfer import streams
+from transfer.host_table import HostRows, choose_placement
+from transfer.pinned_batches import PinnedBatchRing
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ class Setup:
     """This process's place in the run: rank, world, device, and which virtual ranks it plays."""
 
     def __init__(self, cfg: RunConfig, rank: int | None = None, world_size: int | None = None,
-                 device: torch.device | str | None = None, backend: perf_backend.Backend | None = None):
+                 device: torch.device | str | None = None, backend: ops_backend.Backend | None = None):
         """From torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) and the detected backend; or,
         with a device given, rank `rank` of `world_size` processes as given, no variable read and no
         device made current: how the tools model one rank of a run on "meta" (runtime/meta_rank.py)."""
@@ -68,7 +68,7 @@ class Setup:
                 torch.cuda.set_device(self.device)
         else:
             self.rank, self.world_size, self.device = rank or 0, world_size or 1, torch.device(device)
-        self.backend = perf_backend.current() if backend is None else backend
+        self.backend = ops_backend.current() if backend is None else backend
         self.is_master = self.rank == 0
         # gradient accumulation: process p plays virtual ranks p·A .. p·A + A − 1
         self.accum = cfg.virtual_world_size // self.world_size

@@ -16,9 +16,9 @@ import sys
 import torch
 
 from data.loader import dummy_batch
-from ops import backend as perf_backend
-from tools.capture_contract import build_run
+from ops import backend as ops_backend
 from runtime.cuda_graphs.state import run_state
+from tools.capture_contract import build_run
 
 def train_steps(config: str, steps: int, graphed: bool, seed: int = 0):
     """A one-process training.Run of `config`: the warmup planned for the first `steps` steps
@@ -28,7 +28,7 @@ def train_steps(config: str, steps: int, graphed: bool, seed: int = 0):
         def print0(self, *args, **kwargs):
             pass
 
-    with perf_backend.use_backend(host_checks=False, cuda_graphs=graphed):  # host checks: as on a GPU
+    with ops_backend.use_backend(host_checks=False, cuda_graphs=graphed):  # host checks: as on a GPU
         run = build_run(config, seed=seed)
         run.warmup([], QuietLog(), horizon=steps)
         run.reset()

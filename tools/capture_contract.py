@@ -419,8 +419,8 @@ def main(argv=None) -> int:
             if problems:
                 raise ConfigError(problems)
     from data.loader import TrainLoader
-    from ops import backend as perf_backend
-    with perf_backend.use_backend(host_checks=False):  # the CPU-only debugging reads a GPU never does
+    from ops import backend as ops_backend
+    with ops_backend.use_backend(host_checks=False):  # the CPU-only debugging reads a GPU never does
         run = build_run(args.config, args.seed)
         loader = None
         if args.data_path is not None:

@@ -36,9 +36,9 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from runtime import training
 from model import attention as model_attention
 from ops.backend import use_backend
+from runtime import training
 from runtime.cuda_graphs.capture import (FINGERPRINT_CHUNK, STAGING_ALIGN, STAGING_BLOCK, _unique_storages,
                                       written_outside_regions)
 from runtime.cuda_graphs.state import run_state

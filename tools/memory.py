@@ -37,13 +37,13 @@ from torch.utils._pytree import tree_leaves
 from cli import parse_preset_args
 from config import RUN_PRESETS, RunConfig
 from model import attention as model_attention
-from optim.schedule import StepSettings
 from ops.backend import current as current_backend, use_backend
-from tools.capture_cost import capture_check_cost, format_capture_check
-from transfer.host_table import H100_MEMORY_BYTES, choose_placement
+from optim.schedule import StepSettings
 from runtime.meta_rank import (GIB, PORTABLE_BACKEND, RankOnMeta, build_rank_on_meta, each_with_progress,
                                    flash_attention_standin, geometries, gib, meta_step, nbytes, print_progress,
                                    storage_key, tensor_fields)
+from tools.capture_cost import capture_check_cost, format_capture_check
+from transfer.host_table import H100_MEMORY_BYTES, choose_placement
 
 
 # ================================================================================================

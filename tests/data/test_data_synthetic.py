@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import data.synthetic as synthetic
 from config import RUN_PRESETS
 from data.loader import cu_seqlens_rows
 from data.shards import BOS_ID, VOCAB_SIZE, read_shard
+import data.synthetic as synthetic
 from data.synthetic import SyntheticProcess, SyntheticSpec, ensure_corpus, read_meta, write_corpus
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -8,9 +8,9 @@ import triton
 import triton.language as tl
 
 import model.loss as loss_module
+from ops import cross_entropy as ce
 from ops.backend import use_backend
 from tools.gpu_check import ulp_distance
-from ops import cross_entropy as ce
 
 pytestmark = pytest.mark.triton
 

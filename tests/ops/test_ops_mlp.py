@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ops import mlp
 from ops.backend import use_backend
 from ops.fp8 import E4M3, E5M2, E5M2_MAX, quantize
 from tools.gpu_check import ulp_distance
-from ops import mlp
 
 pytestmark = pytest.mark.triton
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from ops import ngram_embed as ng
 from ops.backend import use_backend
 from tools.gpu_check import ulp_distance
-from ops import ngram_embed as ng
 
 pytestmark = pytest.mark.triton
 

@@ -7,11 +7,11 @@ GPU rounds where the interpreter truncates, so 1 ulp still bounds the reordered 
 import pytest
 import torch
 
-from tools.gpu_check import ulp_distance
 from ops import ngram_embed as ng
 from ops import symmetric_matmul as sm
 from ops import transpose as tr
 from ops import value_embed as ve
+from tools.gpu_check import ulp_distance
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 

@@ -17,11 +17,11 @@ import torch
 
 from model.attention import AttnArgs, CausalSelfAttention, normed_rotary_qk
 from model.rotary import Yarn
+from ops import qkv_rope as qr
 from ops.backend import use_backend
 from ops.fp8 import E4M3, QKV_GRAD_SCALE, QKV_X_SCALE, quantize
-from tools.gpu_check import ulp_distance
-from ops import qkv_rope as qr
 from ops.residual_fusion import RMS_NORM_EPS
+from tools.gpu_check import ulp_distance
 
 pytestmark = pytest.mark.triton
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from ops import symmetric_matmul as sm
 from ops.backend import use_backend
 from tools.gpu_check import ulp_distance
-from ops import symmetric_matmul as sm
 
 pytestmark = pytest.mark.triton
 

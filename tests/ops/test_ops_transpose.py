@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from ops import transpose as tr
 from ops.backend import use_backend
 from tools.gpu_check import ulp_distance
-from ops import transpose as tr
 
 pytestmark = pytest.mark.triton
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from ops import value_embed as ve
 from ops.backend import use_backend
 from tools.gpu_check import ulp_distance
-from ops import value_embed as ve
 
 pytestmark = pytest.mark.triton
 

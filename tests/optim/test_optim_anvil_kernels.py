@@ -4,10 +4,10 @@ calls the kernels and lands as close to an fp64 cascade as the portable path doe
 import pytest
 import torch
 
+from ops import symmetric_matmul as sm
+from ops.backend import use_backend
 from optim.anvil import ANVIL_MAPS, anvil_cascade, quintic_maps
 from optim.normuon import POLAR_EXPRESS_MAPS, polar_express
-from ops.backend import use_backend
-from ops import symmetric_matmul as sm
 
 SHAPES = [(2, 24, 40), (2, 48, 32)]  # wide (X X^T, left multiply) and tall (X^T X, right multiply)
 

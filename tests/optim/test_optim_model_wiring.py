@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from config import ScheduleConfig
+from ops import transpose as tr
+from ops.backend import use_backend
 from optim.adam import EMBED, LM_HEAD, RECORD_PARAM_TABLE
 from optim.manager import OptimizerManager
 from optim.schedule import TrainingSchedule
 from optim.standin import StandInParams
-from ops.backend import use_backend
-from ops import transpose as tr
 
 RECORD = TrainingSchedule(ScheduleConfig())
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-import train_gpt
 from config import RUN_PRESETS, ConfigError
 from data.shards import BOS_ID, write_shard
+import train_gpt
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMOKE = RUN_PRESETS["smoke"]

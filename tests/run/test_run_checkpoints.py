@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-import train_gpt
-from runtime import checkpoints
 from config import RUN_PRESETS
-from runtime.config_check import checkpoint_problems
 from model.embeddings import NgramTable
+from runtime import checkpoints
+from runtime.config_check import checkpoint_problems
+import train_gpt
 
 # the smoke preset with a 64-row n-gram table (8 rows per rank at W=8): small enough to check by hand
 CFG = dataclasses.replace(RUN_PRESETS["smoke"], model=dataclasses.replace(RUN_PRESETS["smoke"].model, ngram_rows=64))

@@ -13,16 +13,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime import training
 from cli import apply_overrides
 from config import RUN_PRESETS, ConfigError, FeatureConfig, features_line
-from runtime.config_check import checkpoint_problems
 from data.loader import NO_NGRAM, dummy_batch
 from model.gpt import GPT, StepArgs
+from ops import backend as ops_backend
 from optim.manager import OptimizerManager
 from optim.schedule import StepWeights, TrainingSchedule
 from optim.tail_average import TailAverages
-from ops import backend as perf_backend
+from runtime import training
+from runtime.config_check import checkpoint_problems
 
 SMOKE = RUN_PRESETS["smoke"]
 FEATURES = [f.name for f in dataclasses.fields(FeatureConfig)]
@@ -225,7 +225,7 @@ class Float8Ops(TorchDispatchMode):
 
 
 def test_fp8_off_runs_bf16_gemms_and_keeps_no_fp8_cache():
-    assert perf_backend.current().fp8  # the backend could: the switch alone turns fp8 off
+    assert ops_backend.current().fp8  # the backend could: the switch alone turns fp8 off
     schedule = TrainingSchedule(SMOKE.schedule)
     b = dummy_batch(128, 896, seed=6, ngram_half_rows=SMOKE.model.ngram_rows // 2)
     rows = torch.zeros(256, SMOKE.model.model_dim, dtype=torch.bfloat16, requires_grad=True)
@@ -328,10 +328,10 @@ def test_normuon_cuda_graphs_and_compile_switches_remove_theirs():
     manager = OptimizerManager(GPT(cfg.model, fp8=False).to("meta").named_parameters(), TrainingSchedule(cfg.schedule),
                                cfg.optim, layout=(0, 1))
     assert {e.state.velocity.shape[0] for e in manager.entries.values() if e.rule.optim == "bank"} == {1}  # one rail
-    with perf_backend.use_backend(cuda_graphs=False, compile=False):
+    with ops_backend.use_backend(cuda_graphs=False, compile=False):
         run = _run(FeatureConfig())
         assert run.graphs is None and run.region_runner is training.run_eagerly
         assert run.forward is run.model  # no torch.compile wrapper
-    with perf_backend.use_backend(cuda_graphs=True, compile=True, compile_backend="eager"):
+    with ops_backend.use_backend(cuda_graphs=True, compile=True, compile_backend="eager"):
         run = _run(FeatureConfig())
         assert run.graphs is not None and run.forward is not run.model

@@ -13,8 +13,8 @@ import textwrap
 import pytest
 import torch
 
-import train_gpt
 from tests.gloo_workers import run_workers
+import train_gpt
 from tests.run.test_run_train import _torchrun, shards  # noqa: F401 (shards: the tokenized text, a fixture)
 
 TWENTY_STEPS = ["--no-warmup", "--val-every", "0", "--val-tokens", "2048", "--seed", "0", "--max-steps", "20",

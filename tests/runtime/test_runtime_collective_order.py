@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from runtime.collective_order import Collective, CollectiveOrderError, CollectiveRecorder, compare_sequences
-from transfer.collectives import reduce_scatter_single
 from tests.gloo_workers import run_workers
+from transfer.collectives import reduce_scatter_single
 
 
 def collective(index, op="allreduce_", group="gloo group 0", numel=4, dtype="float32", send=(), recv=(),

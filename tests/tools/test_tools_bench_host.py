@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 import torch
 
-import optim.row_exchange as row_exchange
 from config import RUN_PRESETS, SCHEDULE_PRESETS, OptimConfig
 from data.loader import dummy_batch
+from ops import backend as ops_backend
 from optim.adam import adam_step_scalars
 from optim.manager import NgramRowOptimizer, OptimizerManager
+import optim.row_exchange as row_exchange
 from optim.row_exchange import RowExchange, plan_push, unique_inverse
 from optim.schedule import TrainingSchedule
 from optim.standin import StandInParams
-from ops import backend as perf_backend
 from tools import bench_host
 from transfer import streams
 from transfer.pinned_batches import PinnedBatchRing, PinnedStaging
@@ -292,7 +292,7 @@ def test_a_run_plans_ahead_around_table_events_and_uses_what_it_planned(monkeypa
     event = next(s for s in range(24, 40) if schedule.is_table_event(s))   # a 4-step cycle's event
     assert not schedule.is_table_event(event - 1) and not schedule.is_table_event(event + 1)
     world = cfg.virtual_world_size
-    backend = perf_backend.current()
+    backend = ops_backend.current()
 
     def batches(step):
         tokens = schedule.batch_tokens(step) // world

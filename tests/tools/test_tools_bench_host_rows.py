@@ -7,8 +7,8 @@ import pytest
 
 from config import RUN_PRESETS
 from optim.schedule import TrainingSchedule
-from tools.cost import UNIQUE_IDS_PER_CYCLE, UNIQUE_IDS_PER_STEP, host_table_bytes
 from tools import bench_host_rows
+from tools.cost import UNIQUE_IDS_PER_CYCLE, UNIQUE_IDS_PER_STEP, host_table_bytes
 
 SMOKE = RUN_PRESETS["smoke"]
 RECIPE = RUN_PRESETS["recipe"]

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from config import RUN_PRESETS
-from runtime import op_count, throughput
-from tools import cost
 from ops.attention_backends import varlen_attention_mask
 from ops.fp8 import E4M3, scaled_mm
+from runtime import op_count, throughput
+from tools import cost
 
 
 def _count(fn):

@@ -25,8 +25,8 @@ import torch
 from config import RUN_PRESETS, ConfigError
 from ops import attention_backends as ab
 from ops.backend import detect
-from tools.cross_compile import GraphReport, GraphSpec, count_wrapper, failing_op, plan_graphs
 from tests import long_runs
+from tools.cross_compile import GraphReport, GraphSpec, count_wrapper, failing_op, plan_graphs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CASES = "tests/tools/cross_compile_cases.py"

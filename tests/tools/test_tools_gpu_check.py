@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools import gpu_check as gc
 from tests import long_runs
+from tools import gpu_check as gc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # the dry run (every check in Triton's interpreter, about 75 s alone; tests/long_runs.py); the test reads

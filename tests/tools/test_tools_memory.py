@@ -6,8 +6,8 @@ import torch
 
 from config import RUN_PRESETS
 from model.summary import build_on_meta
-from tools.memory import LiveStorages, main, memory_report, saved_for_backward, static_items, step_memory
 from runtime.meta_rank import GIB, build_rank_on_meta, geometries
+from tools.memory import LiveStorages, main, memory_report, saved_for_backward, static_items, step_memory
 
 GB = 10 ** 9
 

@@ -94,7 +94,7 @@ def test_the_one_gpu_shape_runs_under_the_stream_checks_and_the_capture_rule(tmp
     the row prefetch on and the CUDA-graph twin capturing the warmup, with the side-stream checks
     (transfer/streams.py, on in every test) and the capture rule: the next step's gather, submitted just
     before a captured forward/backward, is drained by the capture, never run inside it."""
-    from ops import backend as perf_backend
+    from ops import backend as ops_backend
     from transfer import streams
 
     holds = []
@@ -112,7 +112,7 @@ def test_the_one_gpu_shape_runs_under_the_stream_checks_and_the_capture_rule(tmp
         return gather(self, index)
 
     monkeypatch.setattr(HostRows, "_gather", slow_gather)
-    with perf_backend.use_backend(cuda_graphs=True, row_prefetch=True):
+    with ops_backend.use_backend(cuda_graphs=True, row_prefetch=True):
         train_gpt.main(["--config", "smoke", "--data-path", str(shards), "--val-every", "0", "--val-tokens", "2048",
                         "--seed", "0", "--max-steps", "3", "--set", "ngram_table=host", "--records-dir", str(tmp_path)])
     (line,) = (tmp_path / "runs.jsonl").read_text().splitlines()

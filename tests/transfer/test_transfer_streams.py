@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from data.loader import dummy_batch
-from transfer import streams
 from runtime.cuda_graphs.capture import RegionGraphs
+from transfer import streams
 from transfer.host_table import HostRows
 from transfer.pinned_batches import PinnedBatchRing, PinnedStaging
 
