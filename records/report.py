@@ -9,7 +9,7 @@ being below the 3.28 target (`scipy.stats.ttest_1samp(..., alternative='less')`;
 margin (3.28 − mean)/(s/√n), positive when below, as upstream statistics.md does), and a Welch
 t-test (two-sided) of each group against the baseline group on time and on loss, and the mean
 tokens/s, MFU (model FLOPs over the time at the bf16 dense peak) and peak fraction (each kind at
-its own peak) of the runs that logged them (tools/cost.py; "-" where none did). Printed as a
+its own peak) of the runs that logged them (runtime/throughput.py; "-" where none did). Printed as a
 Markdown table. Without scipy the p-values are left out (the rest still prints); without
 matplotlib --plot and --curves are skipped with a message. Malformed lines are reported with their
 line number.
@@ -118,7 +118,7 @@ def summary_table(groups: dict[str, list[dict]], key: str, baseline: str | None)
 
 
 def throughput_cells(runs: list[dict]) -> list[str]:
-    """Mean tokens/s, MFU and peak fraction of the runs that logged them (tools/cost.py; the last two
+    """Mean tokens/s, MFU and peak fraction of the runs that logged them (runtime/throughput.py; the last two
     need a known GPU): "-" where none did (older runs.jsonl lines, CPU runs)."""
     cells = []
     for field, fmt in (("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}"), ("peak_fraction", "{:.1%}")):

@@ -4,7 +4,7 @@ Every run that started appends exactly one line when it ends: finished, failed o
 Fields (docs/records.md, "Logs and records"): run_id, started (ISO time), config, label, world_size,
 device, git_commit, git_dirty, steps, train_time_ms, val_loss, peak_memory_allocated_mib,
 peak_memory_reserved_mib, status, error, log_path; tokens_per_s (global tokens over the timed
-training), mfu (tools.cost.RunCost: the model's FLOPs over the time at the device's bf16 dense peak,
+training), mfu (runtime.throughput.RunCost: the model's FLOPs over the time at the device's bf16 dense peak,
 the standard MFU) and peak_fraction (each kind of FLOP at its own peak, fp8 at the fp8 peak: the
 fraction of the tensor-core floor reached), both null where the device's peak is unknown (a CPU);
 overrides (train_gpt.py --set assignments, null when none); train_losses (--log-train-loss: every

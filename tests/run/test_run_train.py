@@ -145,7 +145,7 @@ def eager_three_steps(tmp_path_factory, shards):
 
 
 def test_a_cpu_run_records_tokens_per_second_its_overrides_and_no_mfu(eager_three_steps):
-    """tools/cost.py's RunCost on a CPU: tokens/s in the last step line and in runs.jsonl; no MFU (no
+    """runtime/throughput.py's RunCost on a CPU: tokens/s in the last step line and in runs.jsonl; no MFU (no
     device peak to measure against); the --set assignments logged and recorded."""
     from optim.schedule import TrainingSchedule
 
