@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,8 +17,10 @@ from tqdm import tqdm
 from config import FeatureConfig, RunConfig
 from model.embeddings import ngram_shard_range
 from runtime.source import REPO_ROOT, read_source, run_source_files
-from runtime.training import Run
 from transfer.host_table import HostRows
+
+if TYPE_CHECKING:  # an annotation only: checking a folder (runtime/config_check.py) builds no run
+    from runtime.training import Run
 
 
 # What a checkpoint holds (issue #32 point 6): what evaluation and sampling read, nothing else.
