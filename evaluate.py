@@ -53,7 +53,7 @@ from model.prefix import gpt2_bpe_available, gpt2_encoding
 from ops import backend as ops_backend
 from records.run_log import REPO_ROOT, git_state
 from records.runs_log import append_run, now_iso
-from runtime.checkpoints import load_checkpoint
+from runtime.checkpoints import CHECKPOINT_FOLDER, CheckpointError, load_checkpoint, open_model_file
 from runtime.training import Run, Setup
 
 EVAL_REQUIREMENTS = "requirements-eval.txt"
@@ -77,19 +77,12 @@ def run_config_from_dict(saved: dict) -> RunConfig:
 def read_checkpoint(folder: Path) -> tuple[RunConfig, int]:
     """(the saved run's config, its step) from folder/model.pt, or a ConfigError that says what is wrong."""
     where = f"checkpoint {folder}"
-    expected = "expected a folder written by train_gpt.py --save-checkpoint: records/logs/<run_id>/state_stepNNNNNN"
-    if not folder.is_dir():
-        raise ConfigError(f"{where}: no such folder; {expected}")
-    model_file = folder / "model.pt"
-    if not model_file.is_file():
-        raise ConfigError(f"{where}: no model.pt there; {expected}")
-    try:  # memory-mapped: only the config and the step are read here
-        saved = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:  # a truncated or foreign file
-        raise ConfigError(f"{where}: {model_file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                          f"{expected}") from None
-    if not (isinstance(saved, dict) and {"config", "model", "step"} <= saved.keys()):
-        raise ConfigError(f"{where}: {model_file} holds no config, model and step; {expected}")
+    try:  # memory-mapped, weights_only: only the config and the step are read here, no pickled code runs
+        model_file, saved = open_model_file(folder)
+    except (FileNotFoundError, CheckpointError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if not {"config", "model", "step"} <= saved.keys():
+        raise ConfigError(f"{where}: {model_file} holds no config, model and step; {CHECKPOINT_FOLDER}")
     try:
         cfg = run_config_from_dict(saved["config"])
     except (TypeError, KeyError, ValueError) as e:

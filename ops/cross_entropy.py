@@ -123,16 +123,7 @@ class _SoftcappedLoss(torch.autograd.Function):
     def forward(ctx, logits: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
                 num_mtp: int) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)  # an unused lse arrives as None: the lse-free backward
-        T, N = logits.shape
-        lse = torch.empty(T, dtype=torch.float32, device=logits.device)
-        for lo in range(0, T, CE_SLAB_ROWS):
-            sig = _softcap_sigma(logits[lo: lo + CE_SLAB_ROWS])  # (rows, N)
-            lse[lo: lo + CE_SLAB_ROWS] = SOFTCAP_A + torch.log(sig.mul_(SOFTCAP_A).sub_(SOFTCAP_A).exp_().sum(dim=-1))
-        total = lse.new_zeros(())
-        for classes, w in _terms(T, N, targets, prefix_targets, weights, num_mtp):
-            n = classes.numel()
-            z = SOFTCAP_A * _softcap_sigma(logits[torch.arange(n, device=lse.device), classes])  # (n,)
-            total = total + (w * (lse[:n] - z)).sum()
+        total, lse = _slabbed_loss_lse(logits, targets, prefix_targets, weights, num_mtp)
         ctx.save_for_backward(logits, lse, targets, prefix_targets, weights)
         ctx.num_mtp = num_mtp
         return total, lse
@@ -174,6 +165,24 @@ def _terms(T: int, N: int, targets: Tensor, prefix_targets: Tensor | None, weigh
     return out
 
 
+def _slabbed_loss_lse(logits: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
+                      num_mtp: int) -> tuple[Tensor, Tensor]:
+    """(Σ_t w_t (lse_t − z_t), lse [T] fp32) of softcapped logits [T, N] (bf16 or e4m3), σ held one slab
+    of CE_SLAB_ROWS rows at a time; the picked z recomputed from the picked entries. The portable
+    twins' shared forward."""
+    T, N = logits.shape
+    lse = torch.empty(T, dtype=torch.float32, device=logits.device)
+    for lo in range(0, T, CE_SLAB_ROWS):
+        sig = _softcap_sigma(logits[lo: lo + CE_SLAB_ROWS])  # (rows, N)
+        lse[lo: lo + CE_SLAB_ROWS] = SOFTCAP_A + torch.log(sig.mul_(SOFTCAP_A).sub_(SOFTCAP_A).exp_().sum(dim=-1))
+    total = lse.new_zeros(())
+    for classes, w in _terms(T, N, targets, prefix_targets, weights, num_mtp):
+        n = classes.numel()
+        z = SOFTCAP_A * _softcap_sigma(logits[torch.arange(n, device=lse.device), classes])  # (n,)
+        total = total + (w * (lse[:n] - z)).sum()
+    return total, lse
+
+
 def _softcap_sigma(logits: Tensor) -> Tensor:
     """σ((ℓ + 5)/7.5) in fp32 of any-dtype logits (e4m3 bytes decode exactly): one new fp32 tensor
     (a copy even of fp32 logits, then in place), the only temporary of its size."""
@@ -186,17 +195,7 @@ def softcapped_ce_e4m3_portable(logits8: Tensor, targets: Tensor, prefix_targets
 
     σ lives one slab of CE_SLAB_ROWS rows at a time; the picked z are recomputed from the picked bytes."""
     _check_inputs(logits8, targets, prefix_targets, (E4M3,), "softcapped_ce_e4m3")
-    T, N = logits8.shape
-    lse = torch.empty(T, dtype=torch.float32, device=logits8.device)
-    for lo in range(0, T, CE_SLAB_ROWS):
-        sig = _softcap_sigma(logits8[lo: lo + CE_SLAB_ROWS])  # (rows, N)
-        lse[lo: lo + CE_SLAB_ROWS] = SOFTCAP_A + torch.log(sig.mul_(SOFTCAP_A).sub_(SOFTCAP_A).exp_().sum(dim=-1))
-    total = lse.new_zeros(())
-    for classes, w in _terms(T, N, targets, prefix_targets, weights, num_mtp):
-        n = classes.numel()
-        z = SOFTCAP_A * _softcap_sigma(logits8[torch.arange(n, device=lse.device), classes])  # (n,)
-        total = total + (w * (lse[:n] - z)).sum()
-    return total, lse
+    return _slabbed_loss_lse(logits8, targets, prefix_targets, weights, num_mtp)
 
 
 def _logit_grad_slabs(logits: Tensor, lse: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,

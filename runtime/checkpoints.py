@@ -105,19 +105,30 @@ def _load_mapped(path: Path, what: str) -> dict:
     return saved
 
 
+CHECKPOINT_FOLDER = "expected records/logs/<run_id>/state_stepNNNNNN, written by --save-checkpoint"
+
+
+def open_model_file(folder: Path) -> tuple[Path, dict]:
+    """(folder/model.pt, its contents, memory-mapped and weights_only): the first check of every reader
+    (read_checkpoint here, evaluate.py's). Raises FileNotFoundError (no folder, no model.pt) or
+    CheckpointError (not a torch.save dict), one line naming the file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such folder; {CHECKPOINT_FOLDER}")
+    model_file = folder / "model.pt"
+    if not model_file.is_file():
+        raise FileNotFoundError(f"{folder}: no model.pt there; {CHECKPOINT_FOLDER}")
+    return model_file, _load_mapped(model_file, "a --save-checkpoint model.pt")
+
+
 def read_checkpoint(folder: Path, cfg: RunConfig) -> SavedCheckpoint:
     """The checkpoint in `folder`, checked against `cfg` before anything is copied: model.pt saved
     with this preset's model and feature switches, and one rank file per saving rank whose rows tile
     the n-gram table [0, ngram_rows) with no gap, all saved at the same step. Raises
     FileNotFoundError (a missing folder or file) or CheckpointError, one line naming the file."""
     folder = Path(folder)
-    where = "expected records/logs/<run_id>/state_stepNNNNNN, written by --save-checkpoint"
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no such folder; {where}")
-    model_file = folder / "model.pt"
-    if not model_file.is_file():
-        raise FileNotFoundError(f"{folder}: no model.pt there; {where}")
-    saved = _load_mapped(model_file, "a --save-checkpoint model.pt")
+    where = CHECKPOINT_FOLDER
+    model_file, saved = open_model_file(folder)
     if not isinstance(saved.get("config"), dict):
         raise CheckpointError(f"{model_file}: no run config in it; {where}")
     saved_cfg = saved["config"]

@@ -13,6 +13,7 @@ import json
 import os
 import re
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -291,6 +292,9 @@ def test_a_missing_or_foreign_checkpoint_is_refused(capsys, tmp_path):
     assert "holds no config, model and step" in _refused(capsys, foreign, "--sample", "x")
     (foreign / "model.pt").write_text("not a torch file")
     assert "cannot be read" in _refused(capsys, foreign, "--sample", "x")
+    # read weights_only, as the training reads it (runtime/checkpoints.open_model_file): a pickled object runs no code
+    torch.save({"config": SimpleNamespace(a=1), "model": {}, "step": 1}, foreign / "model.pt")
+    assert "cannot be read as a --save-checkpoint model.pt (UnpicklingError" in _refused(capsys, foreign, "--sample", "x")
 
 
 def test_a_checkpoint_of_another_code_version_is_refused(capsys, checkpoint, tmp_path):
