@@ -202,7 +202,7 @@ class FeatureConfig:
     kernel launched, no collective, no host work (docs/features.md lists each with #360's
     measured gain); `residual_fusions` off runs the plain expressions in their place. The other switches that price a feature exist elsewhere:
     `--set optim.bank_optimizer=normuon` (ANVIL -> record #89's NorMuon), SPEEDRUN_CUDA_GRAPHS=0
-    and SPEEDRUN_COMPILE=0 (ops/backend.py: execution paths, not math)."""
+    and SPEEDRUN_COMPILE=0 (perf/backend.py: execution paths, not math)."""
     # PR #360 ("New Embedding Table"): the 84.6M-row hashed bigram + trigram table, its
     # sign pool, row exchange and row-sparse Adam, and its injections (layer 0, 1, 4, 5, 9, MUDD
     # mu11, the gates' n-gram lanes). Off: none of them. (Record #89 had a bigram-only table.)
@@ -223,12 +223,12 @@ class FeatureConfig:
     # in record #89's tree (fp8 lm_head and MLP forward; PR #342 the down projection), extended by
     # PR #344 (packed fp8 QKV) and PR #360 (fp8 MLP backward, cached lm_head, e4m3 logits). Off:
     # bf16 GEMMs everywhere, no fp8 weight caches. The one fp8 switch (any preset, recorded with the
-    # run); a device without fp8 GEMMs (below SM89: ops/backend.py reads it from the device) trains in
+    # run); a device without fp8 GEMMs (below SM89: perf/backend.py reads it from the device) trains in
     # bf16 whatever it says, and the record preset refuses such a device.
     fp8: bool = True
     # PR #360 (record #92's residual fusions): `scale`/`scale_add` with 0-D λ's at every residual site,
     # the attention post-λ riding the O projection, the MLP post-λ folded into the fp8 down-projection
-    # scale, `rms_norm_with_head` for the value-embedding gates (ops/residual_fusion.py). Off: the plain
+    # scale, `rms_norm_with_head` for the value-embedding gates (perf/residual_fusion.py). Off: the plain
     # expressions r·x + p·y, the same math rounded in another order, in more kernels.
     residual_fusions: bool = True
 
@@ -300,7 +300,7 @@ class RunConfig:
     # one geometry of the record took up to 140 s to compile for SM90 on 2 CPU cores (tools.cross_compile);
     # 600 s leaves 4x for a rank whose compile cache is cold while the others' are warm.
     collective_timeout_s: int = 600
-    # ours: where the n-gram table lives (transfer/host_table.py): "device", "host" (host memory, rows
+    # ours: where the n-gram table lives (perf/host_table.py): "device", "host" (host memory, rows
     # gathered and written back off the main thread) or "auto" (host when the shard would take more
     # than half the device's memory: the record's recipe on fewer than 8 GPUs); logged
     ngram_table: str = "auto"          # one of NGRAM_TABLE_PLACEMENTS

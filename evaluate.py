@@ -50,7 +50,7 @@ from data.ngram import ngram_row_ids, ngram_sign_rows
 from data.shards import BOS_ID
 from model.gpt import StepArgs
 from model.prefix import gpt2_bpe_available, gpt2_encoding
-from ops import backend as ops_backend
+from perf import backend as perf_backend
 from records.run_log import REPO_ROOT, git_state
 from records.runs_log import append_run, now_iso
 from runtime.checkpoints import CHECKPOINT_FOLDER, CheckpointError, load_checkpoint, open_model_file
@@ -543,9 +543,9 @@ def main(argv=None) -> None:
         # the execution path of the device the run lands on (the CPU's with --device cpu on a GPU
         # node), eager: no compile (every document length would be a graph), no CUDA graphs
         cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-        backend = replace(ops_backend.detect(device="cuda" if cuda else "cpu"), compile=False, cuda_graphs=False)
+        backend = replace(perf_backend.detect(device="cuda" if cuda else "cpu"), compile=False, cuda_graphs=False)
         try:
-            with ops_backend.use_backend(**asdict(backend)):
+            with perf_backend.use_backend(**asdict(backend)):
                 evaluate(args, cfg, step, manager)
         finally:  # after a failure too, so the other ranks are not left waiting on a collective
             if dist.is_initialized():

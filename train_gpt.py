@@ -9,7 +9,7 @@ The clock follows upstream's rules: warmup (compilation, one step per schedule g
 SPEEDRUN_CUDA_GRAPHS the capture of every step region, each checked against eager) is untimed
 and undone in place; the clock starts after a barrier; per-run work (prefix table, canonical mask,
 validation batch reads, tail-average ship) is on the clock; validation forwards are not.
-Math lives in model/ and optim/, batches in data/, the kernels in ops/, the run's machinery in runtime/
+Math lives in model/ and optim/, batches in data/, what it runs on (kernels, fp8, streams, compile, CUDA graphs) in perf/, the run's machinery in runtime/
 (Setup, Run: the step, warmup, reset, validation: runtime/training.py), logs in records/.
 """
 from __future__ import annotations
@@ -40,14 +40,14 @@ from records.run_log import (format_peak_memory_line, format_step_line, format_t
                              progress_bar)
 from records.run_record import RunRecorder
 from runtime.checkpoints import CheckpointError, load_checkpoint, save_checkpoint
-from runtime.compile import allocator_settings_line, check_warmup_compiled, compiled_graphs
+from perf.compile import allocator_settings_line, check_warmup_compiled, compiled_graphs
 from runtime.config_check import check_run, records_folder, records_folder_problems, shard_globs
 from runtime.loss_watch import LossWatch, check_finite
 from runtime.preflight import check_node
 from runtime.sync_check import host_side, sync_check
 from runtime.throughput import RunCost, device_peak
 from runtime.training import Run, Setup
-from transfer.collectives import named_timeouts
+from perf.collectives import named_timeouts
 
 PRINT_EVERY = 25  # record #360: a step line every 25 steps, plus the last two
 MIB = 1 << 20

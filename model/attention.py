@@ -7,9 +7,9 @@ layer's widths (nn.Linear layout) and passes them in with an `AttnArgs`:
 Shapes in comments: T tokens of the rank's packed batch, H heads, D model width.
 
 The QKV projection is one GEMM over [W_qk; W_v]: in training the packed fp8 projection of
-ops/fp8.py (sa0 folded into its dequant scale), in validation bf16 with sa0 on the weight. With
-`ops.backend.current().fused_qkv` (SPEEDRUN_FUSED_QKV, default on) training runs the same math as
-ops/qkv_rope.py `fp8_qkv_rope`: the input quantize, the GEMM, the QK-norm and rotary in
+perf/fp8.py (sa0 folded into its dequant scale), in validation bf16 with sa0 on the weight. With
+`perf.backend.current().fused_qkv` (SPEEDRUN_FUSED_QKV, default on) training runs the same math as
+perf/kernels/qkv_rope.py `fp8_qkv_rope`: the input quantize, the GEMM, the QK-norm and rotary in
 fewer launches (bitwise this path's on the portable backend).
 The O weight (bf16 in both) carries sa1 and, when given, the layer's attention post-λ (`o_gain`):
 out = y·bf16(sa1·o_gain·W_O)ᵀ, one rounding of the product, so p's gradient is a reduction over the
@@ -23,11 +23,11 @@ import torch
 from torch import Tensor
 
 from model.rotary import Yarn, rotate
-from ops.attention_backends import varlen_attention
-from ops.backend import current
-from ops.fp8 import fp8_qkv
-from ops.qkv_rope import fp8_qkv_rope
-from ops.residual_fusion import RMS_NORM_EPS
+from perf.attention_backends import varlen_attention
+from perf.backend import current
+from perf.fp8 import fp8_qkv
+from perf.kernels.qkv_rope import fp8_qkv_rope
+from perf.residual_fusion import RMS_NORM_EPS
 
 XSA_EPS = 1e-8  # record #360: floor of ‖v‖² in the XSA projection
 

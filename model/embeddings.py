@@ -2,12 +2,12 @@
 
 * Value embeddings: `value_embeds` [4·V, D], plane p = rows [p·V, (p+1)·V), read by token id and
   added to V on layers (1, 2, 8, 10). The gather and its scatter-add backward (repeated rows summed
-  in fp32, one rounding) are ops/value_embed.py's `value_embed`.
+  in fp32, one rounding) are perf/kernels/value_embed.py's `value_embed`.
 * Smear: x[t] += λ·σ(w·x[t][:12])·x[t−1] over the packed stream (x[0] unchanged).
 * N-gram table: ngram_rows × D bf16 rows, bigram half then trigram half, zero-initialized, and not a
   model parameter: each rank holds a contiguous 1/world_size shard (`NgramTable`). The caller
   gathers a batch's 2T rows (first T bigram, last T trigram; optim/row_exchange.py `RowExchange.pull`) and
-  passes them to the forward with their sign rows; ops/ngram_embed.py's `ngram_embed` forms
+  passes them to the forward with their sign rows; perf/kernels/ngram_embed.py's `ngram_embed` forms
   B[t] = row_bi·sign_bi + row_tri·sign_tri in fp32 with one rounding. The row-sparse Adam belongs
   to the optimizer.
 """
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from config import ModelConfig
-from ops.value_embed import value_embed
+from perf.kernels.value_embed import value_embed
 
 SMEAR_CHANNELS = 12  # record #360: the smear gate reads the token's first 12 channels
 NUM_VALUE_EMBED_PLANES = 4  # record #360: planes for layers (1, 2, 8, 10)
@@ -70,7 +70,7 @@ class NgramTable:
     def __init__(self, cfg: ModelConfig, rank: int, world_size: int, device=None, dtype=torch.bfloat16,
                  rows=None):
         """rows: a zero row store of this shard's [hi - lo, dim] to use instead of a device tensor
-        (training.Run passes transfer/host_table.py HostRows when the table lives in host memory)."""
+        (training.Run passes perf/host_table.py HostRows when the table lives in host memory)."""
         self.num_rows, self.dim = cfg.ngram_rows, cfg.model_dim
         self.rank, self.world_size = rank, world_size
         self.lo, self.hi = self.owned_range(rank, world_size)

@@ -8,7 +8,7 @@ cache[3] at layer 6; layer 7 only scales the residual; a parallel MLP at layer 8
 MUDD at layer 10 (14 coefficients) and after the loop (10 sources, 12 channel-group deltas); the
 pre gate (23 lanes, from x0) and the post gate (13 lanes, at layer 4).
 
-The residual updates use the fusions of ops/residual_fusion.py (record #360; docs/design.md): `scale` /
+The residual updates use the fusions of perf/residual_fusion.py (record #360; docs/design.md): `scale` /
 `scale_add` with 0-D λ's, the attention post-λ carried into the O weight (`o_gain`), the MLP post-λ
 folded into the fp8 down-projection scale in training (`scale_add` with the bf16 MLP otherwise),
 and `rms_norm_with_head` for the value-embedding gates. `--set features.residual_fusions=false` runs the
@@ -58,9 +58,9 @@ from model.embeddings import NUM_VALUE_EMBED_PLANES, SMEAR_CHANNELS, ngram_sign_
 from model.loss import LM_HEAD_INIT_STD, TransposedLinear, training_loss, validation_logits, validation_loss
 from model.mlp import NUM_MLP_SLOTS, PARALLEL_MLP_LAYER, PARALLEL_MLP_SLOT, mlp_slot_output
 from model.rotary import Yarn
-from ops.mlp import Fp8MLPState
-from ops.ngram_embed import ngram_embed
-from ops.residual_fusion import rms_norm_with_head, scale, scale_add
+from perf.kernels.mlp import Fp8MLPState
+from perf.kernels.ngram_embed import ngram_embed
+from perf.residual_fusion import rms_norm_with_head, scale, scale_add
 
 # --- topology (record #360: track_1_short/model/gpt.py) ---------------------------------------------
 NUM_LAYERS = 11
@@ -140,7 +140,7 @@ def norm(x: Tensor) -> Tensor:
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, fp8: bool = True,
                  features: FeatureConfig = FeatureConfig()):
-        """fp8: the device runs fp8 GEMMs (ops.backend's `fp8`, read from the device); training uses
+        """fp8: the device runs fp8 GEMMs (perf.backend's `fp8`, read from the device); training uses
         them when features.fp8, the one switch, is on too. features: the record features this model has (config.FeatureConfig); a switched-off
         one leaves no parameter, buffer or op behind (`switched_off_parameters`)."""
         super().__init__()

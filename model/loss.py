@@ -8,12 +8,12 @@ track_1_short/model/gpt.py `_loss`), summed over the rank's tokens (not averaged
 with the MTP weights w_k, p_t = prefix_table[y_t] and lse_t = ln Σ_c exp z_tc over the full
 vocabulary or over the step's candidate set C. MTP targets are the following rows' next-token
 targets, with no masking at document ends. In training the logits come from the fp8 lm_head
-(ops/fp8.py); validation uses bf16 logits and a softcap in bf16, then a plain fp32 cross-entropy
+(perf/fp8.py); validation uses bf16 logits and a softcap in bf16, then a plain fp32 cross-entropy
 averaged over tokens.
 
-ops/ implements this math for training (a kernel imports no model file, so the kernel module
-restates it; tests/ops/test_ops_cross_entropy.py and tests/model/test_model_loss.py hold
-it to `softcapped_ce`). With fp8 (the record), `fp8_lm_head_loss` (ops/fp8.py) is the GEMM and the
+perf/ implements this math for training (a kernel imports no model file, so the kernel module
+restates it; tests/perf/test_perf_kernels_cross_entropy.py and tests/model/test_model_loss.py hold
+it to `softcapped_ce`). With fp8 (the record), `fp8_lm_head_loss` (perf/fp8.py) is the GEMM and the
 CE in one autograd node: e4m3 logits go straight into the softcapped CE, which keeps only them
 (1 byte per element) and lse for the backward and writes the logit gradient in e5m2. Without fp8,
 `softcapped_loss_lse` does the same on the bf16 GEMM's bf16 logits (2 bytes per element; its fp32
@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.canonical_mask import apply_canonical_mask
-from ops.backend import host_checks
-from ops.cross_entropy import softcapped_loss_lse
-from ops.fp8 import fp8_lm_head_loss
+from perf.backend import host_checks
+from perf.kernels.cross_entropy import softcapped_loss_lse
+from perf.fp8 import fp8_lm_head_loss
 
 SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5  # record #360: z = 23·σ((ℓ + 5)/7.5)
 LM_HEAD_INIT_STD = 0.005  # record #360
@@ -115,7 +115,7 @@ def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, pr
         targets, prefix_targets = candidate_positions(candidates, lm_head_w.shape[1], targets, prefix_targets)
         if host_checks() and bool((targets < 0).any()):
             raise ValueError("training_loss: every target must be in the candidate set")
-    if fp8:  # e4m3 logits straight into the CE, one autograd node (ops/fp8.py)
+    if fp8:  # e4m3 logits straight into the CE, one autograd node (perf/fp8.py)
         loss, lse = fp8_lm_head_loss(x, lm_head_w, targets, mtp_weights, prefix_targets, prefix_weight, candidates)
     else:
         w = lm_head_w if candidates is None else lm_head_w[:, candidates]

@@ -3,13 +3,13 @@ slot 11 the parallel MLP of layer 8), each relu(x·W1ᵀ)²·W2 with W1 = c_fc, 
 
 Training runs the fp8 Function with the layer's post-λ folded into the down-projection scale, so
 the residual add needs no multiply; validation (and devices without fp8) runs the bf16 MLP and the
-residual multiplies by p itself. Both live in ops/mlp.py; this file only picks the slot.
+residual multiplies by p itself. Both live in perf/kernels/mlp.py; this file only picks the slot.
 """
 from __future__ import annotations
 
 from torch import Tensor
 
-from ops.mlp import Fp8MLPState, bf16_mlp, fp8_mlp
+from perf.kernels.mlp import Fp8MLPState, bf16_mlp, fp8_mlp
 
 NUM_MLP_SLOTS = 12  # record #360
 FROZEN_MLP_SLOT = 7  # record #360: layer 7 has no MLP; its slot never runs (per-matrix lr 0)

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from transfer.collectives import all_gather_single
+from perf.collectives import all_gather_single
 
 
 # ours: the whole build over GPT-2's 50,257 ids (int32 .npy, gzipped), for machines whose tiktoken

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ops.transpose import transpose_into
+from perf.kernels.transpose import transpose_into
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def row_sparse_adam_event(shard: Tensor, state: RowAdamState, local_rows: Tensor
     of one per missed event. A row touched at every event gets the factor exp(0) = 1 exactly, so
     it is bitwise the dense every-event update; a row that missed k events differs from the
     sequential replay by the k roundings that replay did (tests/optim/test_optim_adam.py states
-    the measured error). shard may be a host-memory row store (transfer/host_table.py HostRows): its
+    the measured error). shard may be a host-memory row store (perf/host_table.py HostRows): its
     rows are read and written back by `host_rows`, the same rows as local_rows on the host.
     Returns the rows' new values (M, D) in the shard's dtype, as written."""
     state.events += 1

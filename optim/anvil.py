@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ops.symmetric_matmul import poly, xtx, xxt
+from perf.kernels.symmetric_matmul import poly, xtx, xxt
 
 # Six quintic maps X <- aX + b(XX^T)X + c(XX^T)^2 X, re-derived for record #360 (not Polar
 # Express). The product of the a's is 643.13 (the small-singular-value gain); on normalized
@@ -41,7 +41,7 @@ def is_tall(x: Tensor) -> bool:
 
 def gram(x: Tensor) -> Tensor:
     """The small Gram matrix of each matrix in the batch: X^T X if tall, else X X^T (bf16).
-    Symmetric, so the fast path computes only its upper tiles (ops/symmetric_matmul.py)."""
+    Symmetric, so the fast path computes only its upper tiles (perf/kernels/symmetric_matmul.py)."""
     return xtx(x) if is_tall(x) else xxt(x)
 
 
@@ -49,7 +49,7 @@ def quintic_maps(x: Tensor, maps, first_gram: Tensor | None = None) -> Tensor:
     """Apply X <- aX + X(bA + cA^2) (tall) or aX + (bA + cA^2)X (wide), A = the small Gram, for
     each (a, b, c) in `maps`, in bf16 as on the GPU. `first_gram` is reused for the first map
     (ANVIL has it from the normalization). The symmetric products (the Gram A and bA + cA^2) go
-    through ops/symmetric_matmul.py; the X update is a plain GEMM (not symmetric)."""
+    through perf/kernels/symmetric_matmul.py; the X update is a plain GEMM (not symmetric)."""
     tall = is_tall(x)
     split = x.size(-2) > SPLIT_BADDBMM_MIN_ROWS
     fused = torch.baddbmm if x.dim() == 3 else torch.addmm

@@ -9,7 +9,7 @@ compute, every piece of state a rank keeps for itself must be kept per virtual r
   the reduce then adds the ranks' sums; one process must do the same additions, not interleave the
   ranks' steps in one buffer. The bank gradients are consumed every step: their in-place sum over
   the micro-batches, g0 + g1, is what the reduce of two ranks adds (so they need no lane).
-* the fp8 MLP's delayed scales and amaxes (ops/mlp.py DELAYED_STATE): each rank's come
+* the fp8 MLP's delayed scales and amaxes (perf/kernels/mlp.py DELAYED_STATE): each rank's come
   from its own batch.
 
 The model keeps one live copy of each tensor, where every kernel and captured graph reads it. A

@@ -21,7 +21,7 @@ communication order of record #360 (track_1_short/training.py, track_1_short/opt
   gets momentum and decay at each event in both).
 * embed is tied to lm_head until the split step: embed's gradient is transposed into lm_head's
   before the reduce, and embed <- lm_head^T after the gather. At the split step lm_head's moments
-  are gathered, transposed and resharded into embed's. The transposes are ops/transpose.py's
+  are gathered, transposed and resharded into embed's. The transposes are perf/kernels/transpose.py's
   (tiled Triton kernels on the fast path; fp32 sum, one rounding, as bf16 `add_` on the portable one).
 * Order: replicated all-reduces first (phase 0), then reduce-scatters in SCATTER_ORDER (phase 1),
   then waits + updates + all-gathers in WORK_ORDER (phase 2), then the lm_head gather and the tied
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from config import OptimConfig
-from ops.transpose import transpose_add_, transpose_into
+from perf.kernels.transpose import transpose_add_, transpose_into
 from optim.adam import (EMBED, LM_HEAD, RECORD_PARAM_TABLE, VALUE_EMBEDS, AdamState, ParamRule,
                         RowAdamState, adam_apply, adam_step_scalars, build_param_table, embed_moments_from_lm_head,
                         row_sparse_adam_event, value_embed_hparams)
@@ -58,9 +58,9 @@ from optim.anvil import BankState, BankStepScalars, anvil_update, rail_settings,
 from optim.normuon import muon_momentum, normuon_update
 from optim.row_exchange import RowExchange, RowPlan
 from optim.schedule import TrainingSchedule
-from transfer import streams
-from transfer.collectives import all_gather_single, reduce_scatter_single
-from transfer.pinned_batches import PinnedStaging
+from perf import streams
+from perf.collectives import all_gather_single, reduce_scatter_single
+from perf.pinned_batches import PinnedStaging
 
 
 # record #360 (track_1_short/training.py): launch the big bank reduce-scatters first; update the small parameters while
@@ -258,7 +258,7 @@ class OptimizerManager:
             n for n in WORK_ORDER if defer_gathers and self.world_size > 1 and n in self.entries
             and self.entries[n].rule.optim == "bank" and self.entries[n].shard.padded == self.entries[n].shard.n)
         self._in_flight: list[tuple[str, object]] = []   # launched deferred gathers, in launch order
-        self._gathers_writing: list = []  # their writes, for transfer/streams.py's checks (CPU)
+        self._gathers_writing: list = []  # their writes, for perf/streams.py's checks (CPU)
 
     # --- construction ------------------------------------------------------------------------
     def _make_entry(self, name: str, param: Tensor, rule: ParamRule, frozen: frozenset) -> Entry:

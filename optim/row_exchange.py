@@ -29,7 +29,7 @@ order): `prepare(ids)` sorts a request ahead (training.Run.prefetch, for the ste
 event, whose rows cannot be pulled ahead) and `plan(ids)` then only exchanges and uploads; and a
 table event's push routes are planned a step ahead, once its cycle's last plans are known
 (`expect_push`, `prepare_push`), where they took the event's host time. Index vectors reach the
-device through reused pinned buffers (transfer/pinned_batches.py `PinnedStaging`).
+device through reused pinned buffers (perf/pinned_batches.py `PinnedStaging`).
 
 The ids go over the host group (not the device) because the owner needs them on the host: at a
 table event it plans its gradient merge (which rows it receives from whom, their distinct set and
@@ -51,8 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from transfer.host_table import HostRows
-from transfer.pinned_batches import PinnedStaging
+from perf.host_table import HostRows
+from perf.pinned_batches import PinnedStaging
 
 # ours: requests prepared ahead (RowExchange.prepare) and never planned are dropped past this many
 # (a loop that changed its batches after peeking); a run has at most one step's worth pending
@@ -345,7 +345,7 @@ class PendingPull:
     def __init__(self, plan: RowPlan, rows: Tensor | None, work, answers: Tensor | None, gathering=None):
         self.plan, self.rows, self._work = plan, rows, work
         self._answers = answers  # the send buffer stays alive until the exchange is waited
-        self._gathering = gathering  # a host table's gather in flight (transfer/host_table.py PendingRows)
+        self._gathering = gathering  # a host table's gather in flight (perf/host_table.py PendingRows)
         self._patches: list[tuple[Tensor, Tensor]] = []
 
     def patch(self, positions: Tensor, values: Tensor) -> None:

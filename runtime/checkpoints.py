@@ -17,7 +17,7 @@ from tqdm import tqdm
 from config import FeatureConfig, RunConfig
 from model.embeddings import ngram_shard_range
 from runtime.source import REPO_ROOT, read_source, run_source_files
-from transfer.host_table import HostRows
+from perf.host_table import HostRows
 
 if TYPE_CHECKING:  # an annotation only: checking a folder (runtime/config_check.py) builds no run
     from runtime.training import Run

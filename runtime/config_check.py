@@ -186,14 +186,14 @@ def check_run(cfg: RunConfig, args: argparse.Namespace, env=os.environ) -> None:
     no process group, no model, no data read beyond shard headers; the one write is the embedded
     corpus on its first use, see data_problems)."""
     from optim.schedule import TrainingSchedule
-    from ops import backend as ops_backend
+    from perf import backend as perf_backend
 
     problems = (list(getattr(args, "set_problems", [])) + records_folder_problems(records_folder(cfg))
-                + world_problems(cfg, env) + device_problems(cfg) + ops_backend.unknown_variables(env))
+                + world_problems(cfg, env) + device_problems(cfg) + perf_backend.unknown_variables(env))
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and _cuda()) else "cpu"
     if device == "cpu" or _cuda():  # (a CUDA preset on a CPU machine is reported above)
         try:
-            ops_backend.detect(env, device=device)
+            perf_backend.detect(env, device=device)
         except ConfigError as e:
             problems += e.problems
 

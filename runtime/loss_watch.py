@@ -21,7 +21,7 @@ logs it as `step:{s}/{N} train_loss:{loss:.4f}` and runs.jsonl keeps the list: `
 curve costs no sync: it is the NaN check's own read.
 
 On CPU every copy has landed when it returns, so the check is read at the next poll; the stream
-checks (transfer/streams.py) hold the copy and its read to a GPU's rules all the same.
+checks (perf/streams.py) hold the copy and its read to a GPU's rules all the same.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from transfer import streams
+from perf import streams
 
 WHAT = "training loss (main + MTP + prefix terms)"
 

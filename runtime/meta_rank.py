@@ -26,7 +26,7 @@ from config import RunConfig
 from data.loader import NO_NGRAM, dummy_batch
 from data.ngram import ngram_hash_sizes
 from model.gpt import GPT, StepArgs
-from ops import backend as ops_backend
+from perf import backend as perf_backend
 from optim.schedule import StepSettings, TrainingSchedule
 from optim.tail_average import TailAverages
 from runtime import training
@@ -136,7 +136,7 @@ def build_rank_on_meta(cfg: RunConfig, world_size: int, rank: int = 0) -> RankOn
     if world_size < 1 or cfg.virtual_world_size % world_size:
         raise ValueError(f"--world-size {world_size}: the {cfg.name} preset splits its batch over "
                          f"{cfg.virtual_world_size} ranks, so the process count must divide it")
-    backend = dataclasses.replace(ops_backend.current(), **META_BACKEND)
+    backend = dataclasses.replace(perf_backend.current(), **META_BACKEND)
     run = training.Run(cfg, training.Setup(cfg, rank, world_size, device="meta", backend=backend))
     with torch.device("meta"):
         tails = TailAverages(run.manager, run.schedule)
@@ -171,7 +171,7 @@ class _FlashAttentionStandin(torch.autograd.Function):
 
 def flash_attention_standin(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, softmax_scale: float,
                             paired: bool = False, max_seqlen: int | None = None) -> Tensor:
-    """`ops.attention_backends.varlen_attention`'s signature, `_FlashAttentionStandin`'s memory."""
+    """`perf.attention_backends.varlen_attention`'s signature, `_FlashAttentionStandin`'s memory."""
     return _FlashAttentionStandin.apply(q, k, v)
 
 

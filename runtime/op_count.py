@@ -112,7 +112,7 @@ class FlopCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         gemm = None
-        if packet in _FP8_CUSTOM_GEMMS:  # ops/fp8.py's opaque ops: [M, K] @ [K, N] in fp8
+        if packet in _FP8_CUSTOM_GEMMS:  # perf/fp8.py's opaque ops: [M, K] @ [K, N] in fp8
             (m, k), n = args[0].shape, args[1].shape[1]
             gemm = ("fp8 GEMM", 2 * m * k * n)
         elif packet in flop_registry:
@@ -238,19 +238,19 @@ def _byte_kind(func, packet) -> str:
 # the Triton kernels of the fast path, by their portable twins: (module, attribute); an autograd
 # Function's forward and backward are each one kernel
 FUSED_KERNELS = (
-    ("ops.cross_entropy", "softcapped_ce_e4m3_portable"),
-    ("ops.cross_entropy", "softcapped_ce_grad_e5m2_portable"),
-    ("ops.cross_entropy", "_SoftcappedLoss.forward"),
-    ("ops.cross_entropy", "_SoftcappedLoss.backward"),
-    ("ops.mlp", "up_relu2_fp8_portable"),
-    ("ops.mlp", "dpre_fp8_portable"),
-    ("ops.ngram_embed", "_NgramEmbedPortable.forward"),
-    ("ops.ngram_embed", "_NgramEmbedPortable.backward"),
-    ("ops.qkv_rope", "quantize_dual_portable"),
-    ("ops.qkv_rope", "qk_norm_rope_portable"),
-    ("ops.qkv_rope", "qkv_rope_backward_portable"),
-    ("ops.value_embed", "gather_rows_portable"),
-    ("ops.value_embed", "scatter_add_rows_portable_"),
+    ("perf.kernels.cross_entropy", "softcapped_ce_e4m3_portable"),
+    ("perf.kernels.cross_entropy", "softcapped_ce_grad_e5m2_portable"),
+    ("perf.kernels.cross_entropy", "_SoftcappedLoss.forward"),
+    ("perf.kernels.cross_entropy", "_SoftcappedLoss.backward"),
+    ("perf.kernels.mlp", "up_relu2_fp8_portable"),
+    ("perf.kernels.mlp", "dpre_fp8_portable"),
+    ("perf.kernels.ngram_embed", "_NgramEmbedPortable.forward"),
+    ("perf.kernels.ngram_embed", "_NgramEmbedPortable.backward"),
+    ("perf.kernels.qkv_rope", "quantize_dual_portable"),
+    ("perf.kernels.qkv_rope", "qk_norm_rope_portable"),
+    ("perf.kernels.qkv_rope", "qkv_rope_backward_portable"),
+    ("perf.kernels.value_embed", "gather_rows_portable"),
+    ("perf.kernels.value_embed", "scatter_add_rows_portable_"),
 )
 
 
@@ -279,7 +279,7 @@ def fused_kernels(counter: FlopCounter):
         yield
 
 
-import ops.fp8  # noqa: E402,F401  (registers the custom ops below)
+import perf.fp8  # noqa: E402,F401  (registers the custom ops below)
 
 _FP8_CUSTOM_GEMMS = (torch.ops.speedrun.scaled_mm, torch.ops.speedrun.lm_head_logits_e4m3)
 
@@ -304,7 +304,7 @@ def attention_pairs(segment_lengths, window: int) -> int:
 def attention_flops(cu_seqlens, window: int, heads: int, d_qk: int, d_v: int, paired: bool) -> tuple[int, int]:
     """(forward, backward) FLOPs of `varlen_attention` as FA3 does it: forward QKᵀ and PV, 2 FLOPs per
     multiply-add; backward recomputes QKᵀ, then dV, dP, dQ, dK. Paired heads see the positions
-    doubled with half the heads (ops.attention_backends._stream_layout)."""
+    doubled with half the heads (perf.attention_backends._stream_layout)."""
     cu = [int(c) for c in cu_seqlens]
     if paired:
         cu, heads = [2 * c for c in cu], heads // 2
@@ -313,7 +313,7 @@ def attention_flops(cu_seqlens, window: int, heads: int, d_qk: int, d_v: int, pa
 
 
 class CountedAttention:
-    """`ops.attention_backends.varlen_attention`'s signature: counts FLOPs, computes nothing. The
+    """`perf.attention_backends.varlen_attention`'s signature: counts FLOPs, computes nothing. The
     meta cu_seqlens hold no values, so the host batch's segments are given here."""
 
     def __init__(self, counter: FlopCounter, host_cu_seqlens):
@@ -428,7 +428,7 @@ def step_parameters(model, softmax_p: int | None) -> dict[str, int]:
 def geometry_cost(rank, settings, steps) -> GeometryCost:
     """Count one forward and backward at `settings`' geometry on "meta" (meta_rank.meta_step's inputs)."""
     from model import attention as model_attention
-    from ops.backend import use_backend
+    from perf.backend import use_backend
 
     cfg, D = rank.cfg, rank.cfg.model.model_dim
     step = meta_step(rank, settings, steps)

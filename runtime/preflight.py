@@ -50,7 +50,7 @@ CUDART_13 = "libcudart.so.13"  # record #360: the FA3 binary links the CUDA 13 r
 MIN_FREE_DISK_BYTES = 10 * 10**9  # ours: Inductor + Triton caches of the record's graphs and the hub cache
 MIN_HOST_RAM_BYTES = 32 * 2**30  # ours: 8 ranks with compile workers and pinned batch buffers
 WARN_HOST_RAM_BYTES = 64 * 2**30  # ours: below this, compile workers of 8 ranks can swap
-# ours: a host-memory n-gram table (transfer/host_table.py) needs the whole table in the node's RAM plus
+# ours: a host-memory n-gram table (perf/host_table.py) needs the whole table in the node's RAM plus
 # its pinned staging (tools.memory: 5.8 GiB for the record's recipe on 1 process) and the run's own
 HOST_TABLE_MARGIN_BYTES = 16 * 2**30
 HOST_TABLE_PINNED_BYTES = 6 * 2**30  # ours: the staging tools.memory counts, pinned by the CUDA host allocator
@@ -321,7 +321,7 @@ def probe_host_table(cfg) -> tuple[str, int]:
     """(placement of this node's table, its bytes on this node): every local process's shard."""
     import torch
 
-    from transfer.host_table import choose_placement
+    from perf.host_table import choose_placement
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     shard = cfg.model.ngram_rows // world * cfg.model.model_dim * 2
@@ -381,11 +381,11 @@ def probe_cudart() -> tuple[bool, str, list[str]]:
 
 
 def probe_fa3() -> dict:
-    """Load FA3 the way a record run does (ops.attention_backends.load_fa3) and report its binary."""
+    """Load FA3 the way a record run does (perf.attention_backends.load_fa3) and report its binary."""
     try:
         import torch
 
-        from ops import attention_backends as ab
+        from perf import attention_backends as ab
         if not torch.cuda.is_available():
             return {"error": f"no CUDA device (torch {torch.__version__}): FA3 loads only on the GPU node"}
         local = ab.fa3_local_dir()
@@ -612,13 +612,13 @@ def cheap_checks(cfg) -> list[Row]:
 
 
 def check_node(cfg, backend) -> None:
-    """The record's node checks, before a run builds anything (train_gpt.py; runtime/cuda_graphs/
+    """The record's node checks, before a run builds anything (train_gpt.py; perf/cuda_graphs/
     contract.py's build_run): a record run never falls back to a slower path
     (`assert_record_backends`), and any FAIL of the cheap checks (the node's stack, GPUs, driver,
     CUDA 13 runtime, data, BPE files, disk, RAM, compiler) stops it. Nothing for a preset that does
     not require the fast path; the configuration itself was checked up front (runtime/config_check.py)."""
     if cfg.requires_fast_path:
-        from ops.attention_backends import assert_record_backends
+        from perf.attention_backends import assert_record_backends
 
         assert_record_backends(backend)
         raise_on_fail(cheap_checks(cfg))

@@ -67,7 +67,7 @@ def _project_frame() -> str:
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename).resolve()
         if path == here or REPO_ROOT not in path.parents or frame.name == "__torch_dispatch__":
-            continue  # not project code, or another dispatch mode's frame (transfer/streams.py's)
+            continue  # not project code, or another dispatch mode's frame (perf/streams.py's)
         return f"{path.relative_to(REPO_ROOT)}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
     return "(no project frame on the stack)"
 

@@ -29,20 +29,20 @@ from data.ngram import ngram_hash_sizes
 from model.embeddings import NgramTable, ngram_shard_range
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
-from ops import backend as ops_backend
-from ops.mlp import FP8_EXACT_SCALE_CALLS, roll_delayed_scales
+from perf import backend as perf_backend
+from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS, roll_delayed_scales
 from optim.lanes import Lanes
 from optim.manager import NgramRowOptimizer, OptimizerManager
 from optim.row_exchange import RowExchange
 from optim.schedule import StepWeights, TrainingSchedule
 from runtime.collective_order import CollectiveRecorder
-from runtime.compile import compile_model, compiled_graphs
-from runtime.cuda_graphs.capture import RegionGraphs
-from runtime.cuda_graphs.state import run_state
+from perf.compile import compile_model, compiled_graphs
+from perf.cuda_graphs.capture import RegionGraphs
+from perf.cuda_graphs.state import run_state
 from runtime.sync_check import host_side
-from transfer import streams
-from transfer.host_table import HostRows, choose_placement
-from transfer.pinned_batches import PinnedBatchRing
+from perf import streams
+from perf.host_table import HostRows, choose_placement
+from perf.pinned_batches import PinnedBatchRing
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ class Setup:
     """This process's place in the run: rank, world, device, and which virtual ranks it plays."""
 
     def __init__(self, cfg: RunConfig, rank: int | None = None, world_size: int | None = None,
-                 device: torch.device | str | None = None, backend: ops_backend.Backend | None = None):
+                 device: torch.device | str | None = None, backend: perf_backend.Backend | None = None):
         """From torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) and the detected backend; or,
         with a device given, rank `rank` of `world_size` processes as given, no variable read and no
         device made current: how the tools model one rank of a run on "meta" (runtime/meta_rank.py)."""
@@ -68,7 +68,7 @@ class Setup:
                 torch.cuda.set_device(self.device)
         else:
             self.rank, self.world_size, self.device = rank or 0, world_size or 1, torch.device(device)
-        self.backend = ops_backend.current() if backend is None else backend
+        self.backend = perf_backend.current() if backend is None else backend
         self.is_master = self.rank == 0
         # gradient accumulation: process p plays virtual ranks p·A .. p·A + A − 1
         self.accum = cfg.virtual_world_size // self.world_size
@@ -136,7 +136,7 @@ class Run:
             for t in [*self.model.parameters(), *([self.model.ngram_sign_pool] if features.ngram else [])]:
                 dist.broadcast(t.data, 0)
         self.table = self.table_placement = None
-        if features.ngram:  # on the device, or in host memory when it does not fit (transfer/host_table.py)
+        if features.ngram:  # on the device, or in host memory when it does not fit (perf/host_table.py)
             lo, hi = ngram_shard_range(cfg.model.ngram_rows, setup.rank, setup.world_size)
             placement, why = choose_placement(cfg.ngram_table, (hi - lo) * cfg.model.model_dim * 2, setup.device) \
                 if not on_meta else ("device", "a rank modelled on meta")
@@ -177,7 +177,7 @@ class Run:
         self.hash_sizes = ngram_hash_sizes(cfg.model) if features.ngram else NO_NGRAM
         # CUDA graphs (SPEEDRUN_CUDA_GRAPHS): train_step runs each capturable region through
         # run_region(name, key, fn); the warmup captures every key, the timed loop replays
-        # (runtime/cuda_graphs/capture.py; on CPU its twin). tools/capture_contract.py swaps its checker in as region_runner.
+        # (perf/cuda_graphs/capture.py; on CPU its twin). tools/capture_contract.py swaps its checker in as region_runner.
         self.graphs = RegionGraphs.for_device(setup.device, lambda: run_state(self), strict=cfg.requires_fast_path) \
             if setup.backend.cuda_graphs else None
         self.region_runner = self.graphs.run if self.graphs is not None else run_eagerly
@@ -299,7 +299,7 @@ class Run:
         loss of the process's tokens (detached). next_batches: the batches of the step that follows
         (the loop's peek), whose n-gram rows are then pulled during this step (SPEEDRUN_ROW_PREFETCH).
         On CPU with SPEEDRUN_STREAM_CHECK=1 every read is checked against the side-stream copies in
-        flight (transfer/streams.py)."""
+        flight (perf/streams.py)."""
         with streams.checked_reads(self.setup.device):
             return self._train_step(step, batches, next_batches)
 
@@ -601,7 +601,7 @@ def warmup_steps(schedule: TrainingSchedule, region_keys=None, horizon: int | No
     and the step after it (so Adam and table steps run too), plus the split step: every shape the
     clock will meet. With region_keys (step -> the CUDA-graph (region, key)s of that step, when
     capturing), also the earliest steps that make every key the clock meets more than once run
-    twice: once to warm up, once to capture (runtime/cuda_graphs/capture.py). horizon: the run stops
+    twice: once to warm up, once to capture (perf/cuda_graphs/capture.py). horizon: the run stops
     before this step (--max-steps): only steps before it are planned for."""
     n = min(schedule.total_steps, horizon or schedule.total_steps)
     seen, steps = set(), {schedule.split_step, schedule.split_step + 1}

@@ -6,7 +6,7 @@
     python3 tests/affected.py --files model/loss.py        # these paths, no git
 
 A test file is selected when it changed, when it mirrors a changed file (model/loss.py ->
-tests/model/test_model_loss*.py, ops/mlp.py -> tests/ops/test_ops_mlp*.py,
+tests/model/test_model_loss*.py, perf/kernels/mlp.py -> tests/perf/test_perf_kernels_mlp*.py,
 a top-level file such as train_gpt.py or config.py -> tests/run/), or when it reaches a changed
 module through any chain of the project's modules: an import (at the top or inside a function), an
 import in a worker script it keeps as a string (tests/gloo_workers.py runs those), or a module or
@@ -41,7 +41,7 @@ def module_name(path: str) -> str:
 
 
 def with_packages(name: str) -> list[str]:
-    """runtime.cuda_graphs.capture -> [runtime, runtime.cuda_graphs, runtime.cuda_graphs.capture]: importing it runs each __init__."""
+    """perf.cuda_graphs.capture -> [runtime, perf.cuda_graphs, perf.cuda_graphs.capture]: importing it runs each __init__."""
     parts = name.split(".")
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 

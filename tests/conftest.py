@@ -27,13 +27,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if (SHARED_DIR / "tiktoken_cache").is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_DIR / "tiktoken_cache"))
 
-# The side-stream checks (transfer/streams.py) in every test and every process a test starts: on a CPU
+# The side-stream checks (perf/streams.py) in every test and every process a test starts: on a CPU
 # they model what a GPU would still be copying, and stop at a wait left out or a buffer reused early.
 os.environ.setdefault("SPEEDRUN_STREAM_CHECK", "1")
 
 # Without a GPU, Triton kernels can only run in Triton's interpreter, and @triton.jit reads this
 # variable when a kernel is defined, so it is set before any test imports a kernel module. It only
-# makes kernels runnable: whether the model calls them is ops.backend's choice (portable on CPU).
+# makes kernels runnable: whether the model calls them is perf.backend's choice (portable on CPU).
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -62,8 +62,8 @@ LONGEST_FILES_FIRST = (   # seconds per file, fresh clone of e109c7e, 2 workers,
     "tests/model/test_model_compile_record.py",             # 272: the record shapes traced
     "tests/tools/test_tools_gpu_check.py",                  # 257: gpu_check's dry run
     "tests/run/test_run_virtual_ranks.py",                  # 251
-    "tests/runtime/test_runtime_cuda_graphs_capture.py",    # 90
-    "tests/transfer/test_transfer_host_table.py",           # 73
+    "tests/perf/test_perf_cuda_graphs_capture.py",    # 90
+    "tests/perf/test_perf_host_table.py",           # 73
     "tests/records/test_records_certify.py",
     "tests/optim/test_optim_distributed.py",
     "tests/tools/test_tools_capture_contract.py",

@@ -5,7 +5,7 @@ Every import counts, the ones inside functions too (a lazy import only moves a c
 where it fails half-way through a command, or hides that two modules depend on each other). An
 import names the module and, for `from a.b import c`, a.b.c when that is a module; the packages
 above an imported module count too (importing tools.capture_cost runs tools/
-__init__.py), but not a module's own packages (runtime/cuda_graphs/capture.py is inside runtime/, whatever it imports).
+__init__.py), but not a module's own packages (perf/cuda_graphs/capture.py is inside perf/, whatever it imports).
 Relative imports are resolved. What the files do not say is not seen: `importlib.import_module` of a
 computed name, and scripts that tests run in subprocesses (their imports run in another process).
 """
@@ -132,7 +132,7 @@ def describe(cycle: list[str], graph: dict[str, dict[str, int]], modules: dict[s
 
 def test_the_repository_has_no_import_circle():
     graph, modules = import_graph(REPO), repository_modules(REPO)
-    assert len(graph) > 100 and "runtime.training" in graph and "runtime.cuda_graphs.capture" in graph and "tools.memory" in graph  # it read the tree
+    assert len(graph) > 100 and "runtime.training" in graph and "perf.cuda_graphs.capture" in graph and "tools.memory" in graph  # it read the tree
     found = [describe(c, graph, modules, REPO) for c in cycles(graph)]
     assert found == [], "import circles (break each by moving what both sides need to a module of its own):\n" \
         + "\n".join(found)
@@ -180,10 +180,11 @@ def test_no_circle_once_it_is_broken(repo):
 LAYERS = (
     ("config",),                          # the run's settings: frozen dataclasses and the presets
     ("cli",),                             # the command-line plumbing every entry point (and module main) shares
-    ("ops", "transfer"),                  # what the math computes with (kernels and their twins, fp8, attention
-                                          # backends, residual fusions, the backend), and how bytes move
+    ("perf",),                            # what the math runs on: kernels and their twins (perf/kernels/), fp8,
+                                          # attention backends, residual fusions, the backend, streams, collectives,
+                                          # pinned batches, the host table, compile and CUDA-graph capture
     ("model", "optim", "data"),           # the math: the network, its optimizers and schedule, the batches
-    ("runtime",),                         # the run's machinery: Setup/Run, checkpoints, compile, graphs, guards
+    ("runtime",),                         # the run's machinery: Setup/Run, checkpoints, the loss watch, guards
     ("records",),                         # what runs leave: logs, runs.jsonl, the report, certification
     ("train_gpt", "evaluate"),            # the entry points
     ("tools",),                           # commands no run imports: cost, memory, cross-compile, benches, gpu_check
@@ -233,7 +234,7 @@ def room_circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 def test_every_import_goes_down_the_layers():
     graph = import_graph(REPO)
-    assert {"ops.mlp", "transfer.streams", "runtime.training", "tools.cost", "records.certify"} <= set(graph)
+    assert {"perf.kernels.mlp", "perf.streams", "runtime.training", "tools.cost", "records.certify"} <= set(graph)
     assert layer_violations(graph) == []
 
 
@@ -255,22 +256,22 @@ def test_no_room_holds_more_than_40_percent_of_the_code():
         if room(name) != "tests":
             lines[room(name)] = lines.get(room(name), 0) + len(path.read_text().splitlines())
     total = sum(lines.values())
-    assert total > 15_000 and {"ops", "runtime", "tools", "model"} <= set(lines)  # it read the tree
+    assert total > 15_000 and {"perf", "runtime", "tools", "model"} <= set(lines)  # it read the tree
     heavy = {r: f"{n / total:.0%}" for r, n in lines.items() if n > MAX_ROOM_SHARE * total}
     assert heavy == {}, f"rooms over {MAX_ROOM_SHARE:.0%} of {total:,} lines: {heavy}"
 
 
 @pytest.mark.parametrize("module, imported, expected", [
-    ("ops.mlp", "model.gpt", "ops.mlp imports model.gpt (line 3): ops may not import model, up a layer"),
+    ("perf.kernels.mlp", "model.gpt", "perf.kernels.mlp imports model.gpt (line 3): perf may not import model, up a layer"),
     ("model.gpt", "runtime.training", "model.gpt imports runtime.training (line 3): model may not import runtime, up a layer"),
     ("model.gpt", "tools.cost", "model.gpt imports tools.cost (line 3): model may not import tools, up a layer"),
     ("model.gpt", "optim.anvil", "model.gpt imports optim.anvil (line 3): model may not import optim, across a layer"),
     ("runtime.training", "train_gpt", "runtime.training imports train_gpt (line 3): runtime may not import train_gpt, up a layer"),
 ])
 def test_an_import_up_or_across_the_layers_fails(module, imported, expected):
-    graph = {"ops.fp8": {}, "model.gpt": {"ops.fp8": 1}, "runtime.training": {"model.gpt": 2, "ops.fp8": 1},
-             "tools.cost": {"runtime.training": 1}, "train_gpt": {"runtime.training": 1}, "optim.anvil": {"ops.fp8": 4},
-             "ops.mlp": {}}
+    graph = {"perf.fp8": {}, "model.gpt": {"perf.fp8": 1}, "runtime.training": {"model.gpt": 2, "perf.fp8": 1},
+             "tools.cost": {"runtime.training": 1}, "train_gpt": {"runtime.training": 1}, "optim.anvil": {"perf.fp8": 4},
+             "perf.kernels.mlp": {}}
     assert layer_violations(graph) == []  # the hand-made tree is layered
     graph[module] = {**graph[module], imported: 3}
     assert layer_violations(graph) == [expected]

@@ -67,7 +67,7 @@ from config import RUN_PRESETS, ConfigError  # noqa: E402
 from data.loader import TrainLoader  # noqa: E402
 from data.shards import BOS_ID, write_shard  # noqa: E402
 from optim.schedule import StepWeights, TrainingSchedule  # noqa: E402
-from ops import backend as ops_backend  # noqa: E402
+from perf import backend as perf_backend  # noqa: E402
 from runtime.sync_check import host_side  # noqa: E402
 
 STEP_MS = 33.0  # record #360: step_avg 33.4 ms (its README), the issue's round 33 ms
@@ -373,7 +373,7 @@ def bench(cfg, start: int, steps: int, warmup_steps: int, device_ms: float = 0.0
     a device at that pace waits for it somewhere); 0: the host's own pace."""
     import torch._dynamo  # noqa: F401  (some ops' meta kernels, the table event's, import it at first use: not timed)
     world = cfg.virtual_world_size
-    backend = ops_backend.current()
+    backend = perf_backend.current()
     with StandInCollectives(0, world).installed():
         run = host_run(cfg, 0, world, backend)
         schedule = run.schedule

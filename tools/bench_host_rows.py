@@ -6,7 +6,7 @@ recipe's per-step row counts, timed on this machine (issue 38, point 7).
     python -m tools.bench_host_rows --table-gib 8 --start 681 --steps 8 --seed 0
     python -m tools.bench_host_rows --config smoke --table-gib 0.004 --steps 2   # tiny (the test)
 
-One process of `--config recipe --world-size 1` (transfer/host_table.py) holds the whole 121 GiB table in
+One process of `--config recipe --world-size 1` (perf/host_table.py) holds the whole 121 GiB table in
 pageable host memory and one worker thread moves its rows. Per step the worker:
 * gathers each micro-batch's distinct rows (one `start_gather` per lane: the process plays 8
   virtual ranks) into staging, the host half of `HostRows._gather` (then a host→device copy);
@@ -28,7 +28,7 @@ table, 56%), which helps the hardware prefetchers: these GB/s are an upper bound
 Each variant ("path") is timed over the same steps and rows, in the worker's own wall time:
 * `HostRows`: the class itself on device "cpu" (`start_gather(...).result()`, `scatter` then
   `synchronize`), split over its `threads` (HOST_ROWS_THREADS, capped at this machine's cores). Its
-  CPU path is the CUDA one's code with plain copies (transfer/streams.py): the gather's index_select
+  CPU path is the CUDA one's code with plain copies (perf/streams.py): the gather's index_select
   writes fresh host staging (a new allocation each time, its pages faulted in, where CUDA reuses a
   cached pinned block) and the "host→device" copy is a host memcpy on the worker, which on CUDA is
   a DMA on the copy engines; `scatter`'s device→host copy into staging runs on the calling thread
@@ -67,7 +67,7 @@ from cli import ArgumentParser, exit_on_config_error, positive_int  # noqa: E402
 from config import RUN_PRESETS, ConfigError  # noqa: E402
 from optim.schedule import TrainingSchedule  # noqa: E402
 from tools.cost import host_table_bytes  # noqa: E402
-from transfer.host_table import HostRows  # noqa: E402
+from perf.host_table import HostRows  # noqa: E402
 
 # `python -m tools.cost --config record --world-size 1` (2026-12-02, docs/one_gpu.md "What it
 # costs"): the recipe on one H100 SXM, predicted 316 s. cost.py computes it inside its report

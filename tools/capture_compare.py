@@ -1,5 +1,5 @@
 """A preset's first steps graphed against eager, bit for bit: the CUDA-graph capture plan
-(runtime/cuda_graphs/capture.py) proved end to end, on CUDA or, on a CPU, through its tape twin:
+(perf/cuda_graphs/capture.py) proved end to end, on CUDA or, on a CPU, through its tape twin:
 
     python -m tools.capture_compare --config smoke --steps 6   # graphed vs eager, bit for bit
 
@@ -16,8 +16,8 @@ import sys
 import torch
 
 from data.loader import dummy_batch
-from ops import backend as ops_backend
-from runtime.cuda_graphs.state import run_state
+from perf import backend as perf_backend
+from perf.cuda_graphs.state import run_state
 from tools.capture_contract import build_run
 
 def train_steps(config: str, steps: int, graphed: bool, seed: int = 0):
@@ -28,7 +28,7 @@ def train_steps(config: str, steps: int, graphed: bool, seed: int = 0):
         def print0(self, *args, **kwargs):
             pass
 
-    with ops_backend.use_backend(host_checks=False, cuda_graphs=graphed):  # host checks: as on a GPU
+    with perf_backend.use_backend(host_checks=False, cuda_graphs=graphed):  # host checks: as on a GPU
         run = build_run(config, seed=seed)
         run.warmup([], QuietLog(), horizon=steps)
         run.reset()

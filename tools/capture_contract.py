@@ -26,11 +26,11 @@ compiled by aot_eager) and reports, per region and key:
 * pageable copy: a copy into device memory from pageable host memory inside the region.
 
 Tensors are named by parameter, gradient, buffer, optimizer-state or static-input name
-(`run_state`, runtime/cuda_graphs/state.py); an unnamed tensor from outside a region that changes
+(`run_state`, perf/cuda_graphs/state.py); an unnamed tensor from outside a region that changes
 address is a per-step input that did not go through a static buffer.
 
 The regions of a training step (`training.Run.train_step` runs each through `Run.run_region(name, key, fn)`;
-runtime/cuda_graphs/capture.py captures and replays them):
+perf/cuda_graphs/capture.py captures and replays them):
 
 * "forward_backward", keyed by the step geometry (`StepSettings.geometry`): one micro-batch's
   forward and backward, reading the static input buffers (`Run.upload(static=True)`: tokens,
@@ -63,7 +63,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-from runtime.cuda_graphs.state import LIFT_OPS, OpRecordingMode, run_state, storage_ptr
+from perf.cuda_graphs.state import LIFT_OPS, OpRecordingMode, run_state, storage_ptr
 from runtime.sync_check import sync_reason
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -419,8 +419,8 @@ def main(argv=None) -> int:
             if problems:
                 raise ConfigError(problems)
     from data.loader import TrainLoader
-    from ops import backend as ops_backend
-    with ops_backend.use_backend(host_checks=False):  # the CPU-only debugging reads a GPU never does
+    from perf import backend as perf_backend
+    with perf_backend.use_backend(host_checks=False):  # the CPU-only debugging reads a GPU never does
         run = build_run(args.config, args.seed)
         loader = None
         if args.data_path is not None:

@@ -1,4 +1,4 @@
-"""What the CUDA-graph capture check (runtime/cuda_graphs/capture.py) costs one rank, computed on "meta"
+"""What the CUDA-graph capture check (perf/cuda_graphs/capture.py) costs one rank, computed on "meta"
 at a preset's shapes; `python -m tools.memory --config record` prints it (its "capture check" section).
 
 The rank is the run itself, built on "meta" (runtime/meta_rank.py's `build_rank_on_meta`), and the
@@ -10,10 +10,10 @@ run eagerly (no check). For each key it captures:
   `WrittenStorages`, a dispatch mode that notes every storage an op's schema marks written
   (in-place and out= ops, through any view or `.data`); the optimizer's collectives write their
   destinations; a gradient the backward creates counts as written. Storages are named by
-  `run_state` (runtime/cuda_graphs/state.py), the meta steps' inputs in the run's static buffers. It
+  `run_state` (perf/cuda_graphs/state.py), the meta steps' inputs in the run's static buffers. It
   is what the check's warm-up finds on a real call, or more (a write that leaves the bits as they
   were, such as zeroing a zero gradient, is invisible to a fingerprint):
-  tests/runtime/test_runtime_cuda_graphs_capture.py compares it with the smoke twin's.
+  tests/perf/test_perf_cuda_graphs_capture.py compares it with the smoke twin's.
 * fingerprinted: the checked state present at the key's first call (capture.py
   `written_outside_regions` left out), read twice (before and after), in chunks whose int64
   temporaries peak at 2 x 8 x min(FINGERPRINT_CHUNK, the largest tensor's elements) bytes;
@@ -37,11 +37,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from model import attention as model_attention
-from ops.backend import use_backend
+from perf.backend import use_backend
 from runtime import training
-from runtime.cuda_graphs.capture import (FINGERPRINT_CHUNK, STAGING_ALIGN, STAGING_BLOCK, _unique_storages,
+from perf.cuda_graphs.capture import (FINGERPRINT_CHUNK, STAGING_ALIGN, STAGING_BLOCK, _unique_storages,
                                       written_outside_regions)
-from runtime.cuda_graphs.state import run_state
+from perf.cuda_graphs.state import run_state
 from runtime.meta_rank import (PORTABLE_BACKEND, RankOnMeta, flash_attention_standin, geometries, gib, meta_step, nbytes,
                             standin_collectives, storage_key)
 
@@ -304,7 +304,7 @@ def format_capture_check(cost: CaptureCheckCost) -> str:
     excluded = collections.Counter()
     for name, b in cost.excluded:
         excluded[name.split("[")[0].split(".")[0]] += b
-    lines = [f"capture check (SPEEDRUN_CUDA_GRAPHS, runtime/cuda_graphs/capture.py), GiB per rank, on meta: the "
+    lines = [f"capture check (SPEEDRUN_CUDA_GRAPHS, perf/cuda_graphs/capture.py), GiB per rank, on meta: the "
              f"{len(cost.keys)} keys the warmup captures ({len(cost.eager_keys)} met once run eagerly, unchecked).",
              "Left out as written only outside the regions (capture.written_outside_regions; a region writing it "
              "stops the run): " + ", ".join(f"{n} {gib(b)}" for n, b in excluded.most_common()) +

@@ -142,7 +142,7 @@ RECORD_FLOOR_SECONDS = 30.04
 
 def host_table_bytes(cfg: RunConfig, tokens: int, accum: int, table_event: bool) -> dict[str, int]:
     """Host↔device bytes one process moves per step for an n-gram table in host memory
-    (transfer/host_table.py): each micro-batch's distinct rows host→device, and at a table event the
+    (perf/host_table.py): each micro-batch's distinct rows host→device, and at a table event the
     cycle's distinct rows read and written back (the same unique-id ratios as `ngram_sent_bytes`)."""
     D, ids = cfg.model.model_dim, 2 * tokens * accum
     moved = {"n-gram row gather, host→device (bf16)": int(UNIQUE_IDS_PER_STEP * ids * D * 2)}
@@ -178,7 +178,7 @@ class ScheduleCost:
     @property
     def table_on_host(self) -> bool:
         """Whether ngram_table (auto: by an H100's memory) puts this rank's table in host memory."""
-        from transfer.host_table import H100_MEMORY_BYTES, choose_placement
+        from perf.host_table import H100_MEMORY_BYTES, choose_placement
         if not self.cfg.features.ngram:
             return False
         shard = self.cfg.model.ngram_rows // self.world_size * self.cfg.model.model_dim * 2

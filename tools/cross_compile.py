@@ -8,12 +8,12 @@ architecture: sm_89), `--sm 80` an A100 (sm_80).
     python -m tools.cross_compile --config recipe --world-size 1 --sm 89   # the one-GPU recipe on an L40S
 
 A CPU-only torch with one faked GPU (tools/fake_gpu.py: the process re-executes itself with a small
-preloaded library) compiles exactly what a run compiles: the backend `ops.backend.detect` picks for
+preloaded library) compiles exactly what a run compiles: the backend `perf.backend.detect` picks for
 that GPU (SM90: Triton, fp8, fused QKV, FA3 through a stand-in op with a shape-only kernel; SM89: the
 same with flex attention for FA3; SM80: no fp8 either, so bf16 GEMMs and the unfused QKV), with the
 environment's SPEEDRUN_* switches applied as a run applies them; the model built as `training.Run`
 builds it for `--world-size` processes (fp8 weight caches where fp8 runs, the optimizer's
-value-embedding gradient buffer), compiled through `runtime/compile.py` unchanged (inductor, fullgraph,
+value-embedding gradient buffer), compiled through `perf/compile.py` unchanged (inductor, fullgraph,
 static shapes). Each training geometry of the schedule (`StepSettings.geometry`) compiles forward
 and backward, as its first step would; each validation forward compiles at the windows it will
 see. A process playing several virtual ranks runs one rank's micro-batch per forward (T = the
@@ -229,8 +229,8 @@ def cross_compile_cases(refs: list[str], progress=print) -> list[GraphReport]:
     requires grad. For unit checks of what inductor makes of one op."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ops.backend import current, use_backend
-    from runtime.compile import compile_model
+    from perf.backend import current, use_backend
+    from perf.compile import compile_model
     from tools.fake_gpu import on_fake_cuda
 
     reports = []
@@ -280,11 +280,11 @@ def _compile_one(spec: GraphSpec, compiled, args: tuple, contexts, capture: Wrap
 
 
 def target_backend(env=os.environ):
-    """The backend a run on the faked GPU gets (`ops.backend.detect` on it, with the environment's
+    """The backend a run on the faked GPU gets (`perf.backend.detect` on it, with the environment's
     SPEEDRUN_* switches): on SM90 the record's fast path, on SM89 flex attention for FA3, on SM80 no
     fp8 either. It must compile with inductor: that is what is cross-compiled."""
     from config import ConfigError
-    from ops.backend import detect
+    from perf.backend import detect
 
     backend = detect(env, device="cuda")
     if not backend.compile or backend.compile_backend != "inductor":
@@ -365,9 +365,9 @@ def cross_compile_preset(cfg, specs: list[GraphSpec], backward: bool = True, pro
     rank) with the faked GPU's backend (`target_backend`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ops import attention_backends
-    from ops.backend import current, use_backend
-    from runtime.compile import compile_model
+    from perf import attention_backends
+    from perf.backend import current, use_backend
+    from perf.compile import compile_model
     from tools.fake_gpu import fa3_standin
 
     capture = _capture()

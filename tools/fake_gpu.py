@@ -13,7 +13,7 @@ Used by `python -m tools.cross_compile`, in a process of its own. The pieces:
   through LD_PRELOAD and the process re-executes itself with it (`reexec_with_preload`). It knows
   nothing of the GPU's kind: that is the Python side's.
 - `install(sm)`: torch.cuda's and dynamo's device queries answer for the GPU of `DEVICES[sm]`
-  (properties as a namedtuple, so dynamo folds them to constants; `ops.backend.detect` then picks
+  (properties as a namedtuple, so dynamo folds them to constants; `perf.backend.detect` then picks
   the path such a GPU gets), a Triton driver whose target is sm_<sm> and that never loads a binary,
   stubs for what inductor's generated wrapper imports, and the inductor steps that would evaluate or
   time something on the device turned off (each named in `DEVICE_EVALUATING_OPTIONS` with its
@@ -505,7 +505,7 @@ def _standin_ops():
 
 
 class _FA3StandIn:
-    """Looks like the hub build's `flash_attn_interface` to ops/attention_backends.py."""
+    """Looks like the hub build's `flash_attn_interface` to perf/attention_backends.py."""
 
     def __init__(self):
         self._fwd = _standin_ops()

@@ -169,7 +169,7 @@ def _max_abs(x: torch.Tensor) -> float:
 
 @register("symmetric_matmul")
 def check_symmetric_matmul(ctx: Context) -> list[Result]:
-    from ops import symmetric_matmul as sm
+    from perf.kernels import symmetric_matmul as sm
 
     # per-rank ANVIL bank chunks (record #360: track_1_short/optim/anvil.py): (matrices, rows, cols)
     chunks = ctx.shape(record={"qk": (6, 256, 768), "vo": (2, 768, 768), "mlp": (3, 2816, 768)},
@@ -200,7 +200,7 @@ def check_symmetric_matmul(ctx: Context) -> list[Result]:
 
 @register("transpose")
 def check_transpose(ctx: Context) -> list[Result]:
-    from ops import transpose as tr
+    from perf.kernels import transpose as tr
 
     d, v = ctx.shape(record=(768, 50304), tiny=(40, 100))  # lm_head stored [768, V] (record #360's model/gpt.py)
     gen = torch.Generator(device=ctx.device).manual_seed(0)
@@ -229,7 +229,7 @@ def _zipf_like_ids(n: int, vocab: int, gen: torch.Generator, device) -> torch.Te
 
 @register("value_embed")
 def check_value_embed(ctx: Context) -> list[Result]:
-    from ops import value_embed as ve
+    from perf.kernels import value_embed as ve
 
     # record #360 (track_1_short/model/gpt.py): value_embeds [4·50304, 768]; stage 2 runs 49,152 tokens per rank
     vocab, dim, tokens = ctx.shape(record=(50304, 768, 49152), tiny=(50, 24, 30))
@@ -256,7 +256,7 @@ def check_value_embed(ctx: Context) -> list[Result]:
 
 @register("ngram_embed")
 def check_ngram_embed(ctx: Context) -> list[Result]:
-    from ops import ngram_embed as ng
+    from perf.kernels import ngram_embed as ng
 
     # 49,152 tokens per rank (record #360's config.py), dim 768, sign pool 8192 rows (its ngram_table.py)
     tokens, dim, pool_rows = ctx.shape(record=(49152, 768, 8192), tiny=(13, 24, 16))
@@ -283,7 +283,7 @@ def check_ngram_embed(ctx: Context) -> list[Result]:
 @register("cross_entropy")
 def check_cross_entropy(ctx: Context) -> list[Result]:
     """The fused softcapped CE (loss + logit gradient) against its twin, forward and backward timed together."""
-    from ops import cross_entropy as ce
+    from perf.kernels import cross_entropy as ce
 
     rows = ctx.shape(record=16384, tiny=9)  # one rank's rows at the CE (brief of issue 7)
     gen = torch.Generator(device=ctx.device).manual_seed(0)
@@ -331,7 +331,7 @@ def _e5m2_ordinal(t: torch.Tensor) -> torch.Tensor:
 def _check_cross_entropy_e4m3(ctx: Context, rows: int, cases) -> list[Result]:
     """The fp8 path's CE: e4m3 logits in (forward: loss and lse), e5m2 gradient out (backward), the
     kernels against their twins; forward and backward timed together."""
-    from ops import cross_entropy as ce
+    from perf.kernels import cross_entropy as ce
 
     gen = torch.Generator(device=ctx.device).manual_seed(1)
     results = []
@@ -375,7 +375,7 @@ def _attention_inputs(ctx: Context, T: int, requires_grad: bool):
 
 def _attention_parity(ctx: Context, name: str, fn, T: int, window: int, paired: bool) -> Result:
     """fn against SDPA on one layer's shapes: forward (and, on a GPU, the q/k/v gradients), max abs error."""
-    from ops.attention_backends import sdpa_varlen_attention
+    from perf.attention_backends import sdpa_varlen_attention
 
     backward = ctx.device.type == "cuda"  # flex has no CPU backward; the dry run checks the forward
     q, k, v, cu = _attention_inputs(ctx, T, backward)
@@ -395,7 +395,7 @@ def _attention_parity(ctx: Context, name: str, fn, T: int, window: int, paired: 
 def check_attention(ctx: Context) -> list[Result]:
     """flex and FA3 against SDPA at one small T. FA3 must load (pinned revision, sha256 verified): a failed
     load is a failed row naming why; the dry run leaves FA3 out (it needs CUDA and the kernels hub)."""
-    from ops import attention_backends as ab
+    from perf import attention_backends as ab
 
     T = ctx.shape(record=4096, tiny=40)  # small T: the SDPA baseline builds chunk × window masks
     window = ctx.shape(record=384, tiny=9)  # record #360: stage 0's long window, 3 blocks of 128
@@ -416,9 +416,9 @@ def check_attention(ctx: Context) -> list[Result]:
 def _mlp_ops(ctx: Context, tokens: int, dim: int, hidden: int) -> dict[str, Callable]:
     """The MLP kernels and their twins as closures over one case: a refreshed one-slot Fp8MLPState
     whose delayed scales come from one portable step, and bf16 x (normed rows), W1, W2, g, p."""
-    from ops.backend import use_backend
-    from ops.fp8 import E5M2, quantize
-    from ops import mlp
+    from perf.backend import use_backend
+    from perf.fp8 import E5M2, quantize
+    from perf.kernels import mlp
 
     gen = torch.Generator(device=ctx.device).manual_seed(0)
     x = torch.randn((tokens, dim), device=ctx.device, generator=gen)
@@ -456,7 +456,7 @@ def _mlp_ops(ctx: Context, tokens: int, dim: int, hidden: int) -> dict[str, Call
 
 def _mlp_parity(ops: dict) -> dict[str, float]:
     """Parity errors of the MLP kernels against their twins on the same inputs (tolerances: check_mlp)."""
-    from ops.fp8 import E4M3, E5M2
+    from perf.fp8 import E4M3, E5M2
 
     def fp8_ulps(kernel, twin, fmt):
         """Largest distance over both layouts in `fmt` ulps, or of the recorded amax in bf16 ulps."""
@@ -486,7 +486,7 @@ def check_mlp(ctx: Context) -> list[Result]:
     errors = _mlp_parity(_mlp_ops(ctx, parity_tokens, dim, hidden))
     ops = _mlp_ops(ctx, time_tokens, dim, hidden)
     shape = f"T={time_tokens} (parity T={parity_tokens}), D={dim}, H={hidden}"
-    # Tolerances as tests/ops/test_ops_mlp.py: fp8 bytes within one fp8 ulp (a rounding-boundary
+    # Tolerances as tests/perf/test_perf_kernels_mlp.py: fp8 bytes within one fp8 ulp (a rounding-boundary
     # flip of the bf16 intermediate) and the recorded amax within one bf16 ulp, in one "ulp" column; the
     # training step's outputs and gradients within 2⁻⁵ of their norm (a few fp8 operands one ulp off).
     step_row = ctx.compare("mlp", f"fp8_mlp fwd+bwd, fold on, {shape}", errors["step"], 2.0**-5, "rel",
@@ -505,14 +505,14 @@ def check_mlp(ctx: Context) -> list[Result]:
 
 def _qkv_case(ctx: Context, T: int, D: int, H: int, dq: int, dv: int, paired: bool, key_offset: bool,
               rotary_dim: int) -> dict[str, Callable]:
-    """One attention layer's training QKV, fused (ops/qkv_rope.py, its Triton kernels) and
-    unfused (ops/fp8.py fp8_qkv, then model/attention.py normed_rotary_qk, eager autograd), each as
+    """One attention layer's training QKV, fused (perf/kernels/qkv_rope.py, its Triton kernels) and
+    unfused (perf/fp8.py fp8_qkv, then model/attention.py normed_rotary_qk, eager autograd), each as
     a closure running forward + backward on the same inputs and returning q, k, v and every gradient."""
     from model.attention import normed_rotary_qk
     from model.rotary import Yarn
-    from ops.backend import use_backend
-    from ops.fp8 import fp8_qkv
-    from ops.qkv_rope import fp8_qkv_rope
+    from perf.backend import use_backend
+    from perf.fp8 import fp8_qkv
+    from perf.kernels.qkv_rope import fp8_qkv_rope
 
     gen = torch.Generator(device=ctx.device).manual_seed(0)
     x = torch.randn((T, D), device=ctx.device, generator=gen)
@@ -562,7 +562,7 @@ def check_fused_qkv(ctx: Context) -> list[Result]:
         qk_ulps = max(ulp_distance(got[i], want[i], torch.bfloat16, atol=1e-6) for i in (0, 1))
         del got, want
         # q/k within an ulp (another Σu² order), a few g8 bytes one e4m3 ulp off: 1% of each norm
-        # bounds it with a wide margin (tests/ops/test_ops_qkv_rope.py)
+        # bounds it with a wide margin (tests/perf/test_perf_kernels_qkv_rope.py)
         row = ctx.compare("fused_qkv", f"{name} T={T} H={H} d_qk={dq} d_v={dv} fwd+bwd", max(errors.values()), 1e-2,
                           "rel", ops["fused"], ops["unfused"])
         on_gpu = ctx.device.type == "cuda"  # the dry run skips the memory runs (None on a CPU anyway)
@@ -605,7 +605,7 @@ def _record_step(ctx: Context) -> RecordStep:
     from model.loss import CandidateSampler
     from optim.manager import OptimizerManager, RowExchange
     from optim.schedule import TrainingSchedule
-    from ops.backend import current
+    from perf.backend import current
 
     preset, ranks = ("smoke", 8) if ctx.dry_run else ("dev", 8)
     cfg, schedule = MODEL_PRESETS[preset], TrainingSchedule(SCHEDULE_PRESETS[preset])
@@ -633,7 +633,7 @@ def check_model_step(ctx: Context) -> list[Result]:
     compiled (model_compile does that). A dry run uses the smoke model and the portable path on
     both sides (plumbing only)."""
     from model.gpt import StepArgs
-    from ops.backend import use_backend
+    from perf.backend import use_backend
 
     r = _record_step(ctx)
     s, model, manager, batch, step, preset = r.settings, r.model, r.manager, r.batch, r.step, r.preset
@@ -685,7 +685,7 @@ def _step_memory_estimate_mib(preset: str, world_size: int, step: int) -> float:
 @register("model_compile")
 def check_model_compile(ctx: Context) -> list[Result]:
     """The record-shaped training forward + backward compiled as a record run compiles it
-    (runtime/compile.py: fullgraph, static shapes, inductor; a dry run: the smoke model with dynamo's
+    (perf/compile.py: fullgraph, static shapes, inductor; a dry run: the smoke model with dynamo's
     `eager` backend, which decides graphs and recompiles as any backend does; the backward's AOT
     trace of the smoke model is tests/run's compiled runs', and skipping it here halves the dry
     run's compile: 19 s → 11 s). Reports the first step's compile time, the compiled step's time
@@ -695,8 +695,8 @@ def check_model_compile(ctx: Context) -> list[Result]:
 
     from model.gpt import StepArgs
     from optim.schedule import StepWeights
-    from ops.backend import current
-    from runtime.compile import compile_model, compiled_graphs
+    from perf.backend import current
+    from perf.compile import compile_model, compiled_graphs
 
     r = _record_step(ctx)
     s, batch = r.settings, r.batch
@@ -736,10 +736,10 @@ def check_cuda_graphs(ctx: Context) -> list[Result]:
     """The record-shaped step's two capturable regions (`_record_step`, one rank of 8, uncompiled
     so as not to pay a second compile here): forward + backward, and the optimizer update with the
     fp8 refresh, each warmed up, captured and checked against an eager call as training.Run does it
-    (runtime/cuda_graphs/capture.py), then timed eager against replayed. The error is the capture
+    (perf/cuda_graphs/capture.py), then timed eager against replayed. The error is the capture
     check's worst relative difference (tolerance CUDA_TOLERANCE; bitwise in a dry run, where the
     smoke model replays through the CPU twin on the portable path: plumbing only)."""
-    from ops.backend import use_backend
+    from perf.backend import use_backend
 
     with use_backend(**(dict(triton=False, attention="sdpa", compile=False) if ctx.dry_run else {})):
         return _cuda_graphs_results(ctx)
@@ -748,8 +748,8 @@ def check_cuda_graphs(ctx: Context) -> list[Result]:
 def _cuda_graphs_results(ctx: Context) -> list[Result]:
     from model.gpt import StepArgs
     from optim.schedule import StepWeights
-    from runtime.cuda_graphs.capture import CUDA_TOLERANCE, RegionGraphs
-    from runtime.cuda_graphs.state import module_state, optimizer_state
+    from perf.cuda_graphs.capture import CUDA_TOLERANCE, RegionGraphs
+    from perf.cuda_graphs.state import module_state, optimizer_state
 
     r = _record_step(ctx)
     s, model, manager, batch, step = r.settings, r.model, r.manager, r.batch, r.step
@@ -839,7 +839,7 @@ SANITIZER_RUNS = {"smoke": [], "host table": ["--set", "ngram_table=host"]}
 def check_sanitizer(ctx: Context) -> list[Result]:
     """PyTorch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1: every kernel's reads and writes checked for
     races between streams) over one graphed step of the smoke run and of the host-table run: the GPU
-    side of transfer/streams.py's CPU checks. A dry run lists the commands only (the sanitizer needs CUDA)."""
+    side of perf/streams.py's CPU checks. A dry run lists the commands only (the sanitizer needs CUDA)."""
     results = []
     for name, extra in SANITIZER_RUNS.items():
         with tempfile.TemporaryDirectory() as records:
@@ -873,7 +873,7 @@ def environment(device: torch.device) -> dict:
     import triton
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
-    from ops.backend import current
+    from perf.backend import current
 
     return {"device": name, "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(),

@@ -37,13 +37,13 @@ from torch.utils._pytree import tree_leaves
 from cli import parse_preset_args
 from config import RUN_PRESETS, RunConfig
 from model import attention as model_attention
-from ops.backend import current as current_backend, use_backend
+from perf.backend import current as current_backend, use_backend
 from optim.schedule import StepSettings
 from runtime.meta_rank import (GIB, PORTABLE_BACKEND, RankOnMeta, build_rank_on_meta, each_with_progress,
                                    flash_attention_standin, geometries, gib, meta_step, nbytes, print_progress,
                                    storage_key, tensor_fields)
 from tools.capture_cost import capture_check_cost, format_capture_check
-from transfer.host_table import H100_MEMORY_BYTES, choose_placement
+from perf.host_table import H100_MEMORY_BYTES, choose_placement
 
 
 # ================================================================================================
@@ -70,7 +70,7 @@ class TensorInfo:
 
 
 def host_table_staging(rank: RankOnMeta) -> list[MemoryItem]:
-    """The pinned host buffers of a host-memory n-gram table (transfer/host_table.py) at the worst step:
+    """The pinned host buffers of a host-memory n-gram table (perf/host_table.py) at the worst step:
     a gather per pull in flight (this micro-batch's and the next step's prefetched ones: ≤ 2 ids per
     token of a virtual rank's batch) and a table event's write-back (≤ the cycle's distinct rows)."""
     schedule, cfg, d = rank.schedule, rank.cfg, rank.cfg.model.model_dim
@@ -121,7 +121,7 @@ def static_items(rank: RankOnMeta) -> list[MemoryItem]:
         items.append(MemoryItem("n-gram table shard", nbytes(t.rows),
                                 f"bf16 {_shape(t.rows)}: rows {t.lo:,}-{t.hi:,} of {t.num_rows:,}; on an H100, "
                                 f"{why}", where=placement))
-        if placement == "host":  # transfer/host_table.py: gathers and write-backs through pinned staging
+        if placement == "host":  # perf/host_table.py: gathers and write-backs through pinned staging
             items += host_table_staging(rank)
         st = rank.ngram_opt.state
         items.append(MemoryItem("n-gram row Adam state", sum(map(nbytes, tensor_fields(st))),

@@ -12,9 +12,9 @@ import torch
 from config import RUN_PRESETS
 from data.loader import cu_seqlens_rows
 from model.gpt import GPT, StepArgs
-from ops import backend as ops_backend
+from perf import backend as perf_backend
 from optim.schedule import TrainingSchedule
-from runtime.compile import compiled_graphs
+from perf.compile import compiled_graphs
 
 RECORD_WORLD = 8
 
@@ -53,7 +53,7 @@ def test_record_shapes_one_graph_per_geometry_and_none_after():
     groups = _distinct_shapes(schedule)
     assert len(groups) == 6  # stages 0, 1, stage 2 at two P, the taper, the extension
     torch._dynamo.reset()
-    with ops_backend.use_backend(triton=False, attention="sdpa", fp8=True, host_checks=False):
+    with perf_backend.use_backend(triton=False, attention="sdpa", fp8=True, host_checks=False):
         with torch.device("meta"):
             model = GPT(cfg.model)
         model.refresh_fp8()

@@ -11,7 +11,7 @@ from model.mudd import MUDD_GROUPS, mudd_block_bias, mudd_gate_bias, post_loop_m
 
 def test_value_embedding_gradient_sums_repeats_in_fp32():
     """A batch repeats common tokens: each row's gradient is the fp32 sum of its repeats rounded
-    once to bf16 (ops/value_embed.py, record #360), not a bf16 running sum."""
+    once to bf16 (perf/kernels/value_embed.py, record #360), not a bf16 running sum."""
     gen = torch.Generator().manual_seed(3)
     T, D, V = 3000, 8, 5
     table = (0.01 * torch.randn(4 * V, D, generator=gen)).bfloat16().requires_grad_()

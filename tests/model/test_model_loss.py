@@ -10,9 +10,9 @@ import torch
 import model.loss as loss_module
 from model.loss import (CandidateSampler, candidate_positions, softcap, softcapped_ce, training_loss,
                         validation_loss)
-from ops.backend import use_backend
-from ops.cross_entropy import softcapped_loss_sum
-from ops.fp8 import LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE, LM_HEAD_X_SCALE, fp8_lm_head_loss, quantize_lm_head
+from perf.backend import use_backend
+from perf.kernels.cross_entropy import softcapped_loss_sum
+from perf.fp8 import LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE, LM_HEAD_X_SCALE, fp8_lm_head_loss, quantize_lm_head
 
 
 def _loop_loss(logits, targets, mtp, prefix, pw):

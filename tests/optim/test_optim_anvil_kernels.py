@@ -1,11 +1,11 @@
-"""The ANVIL / NorMuon cascades run their symmetric products through ops/symmetric_matmul.py:
+"""The ANVIL / NorMuon cascades run their symmetric products through perf/kernels/symmetric_matmul.py:
 the portable path is still the plain formula (bitwise), and the Triton path (interpreter on CPU)
 calls the kernels and lands as close to an fp64 cascade as the portable path does."""
 import pytest
 import torch
 
-from ops import symmetric_matmul as sm
-from ops.backend import use_backend
+from perf.kernels import symmetric_matmul as sm
+from perf.backend import use_backend
 from optim.anvil import ANVIL_MAPS, anvil_cascade, quintic_maps
 from optim.normuon import POLAR_EXPRESS_MAPS, polar_express
 

@@ -1,11 +1,11 @@
 """The optimizer against the real model and the kernels it calls: the tied embed/lm_head transposes
-(ops/transpose.py), the parameter table over the real GPT, the frozen MLP slot 7."""
+(perf/kernels/transpose.py), the parameter table over the real GPT, the frozen MLP slot 7."""
 import pytest
 import torch
 
 from config import ScheduleConfig
-from ops import transpose as tr
-from ops.backend import use_backend
+from perf.kernels import transpose as tr
+from perf.backend import use_backend
 from optim.adam import EMBED, LM_HEAD, RECORD_PARAM_TABLE
 from optim.manager import OptimizerManager
 from optim.schedule import TrainingSchedule

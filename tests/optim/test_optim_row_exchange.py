@@ -219,7 +219,7 @@ def test_one_process_playing_two_ranks_pushes_their_sums_in_rank_order(placement
     """One process, two lanes (virtual ranks 0 and 1, RowPlan.lane): each event's merged rows and
     the updated table are bitwise the brute-force reference of 2 ranks (each rank's cycle in step
     order, then the ranks in order), with the table on the device or in host memory."""
-    from transfer.host_table import HostRows
+    from perf.host_table import HostRows
     exchange = RowExchange(ROWS, 0, 1, "cpu", lanes=2)
     mgr = OptimizerManager(StandInParams.small(seed=0).named_parameters(), SCHEDULE, local_ranks=2)
     shard = full_table().clone()

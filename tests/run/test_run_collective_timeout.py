@@ -7,7 +7,7 @@ from tests.gloo_workers import run_workers
 WORKER = """
 import datetime, sys, time
 import torch, torch.distributed as dist
-from transfer.collectives import CollectiveTimeout, named_timeouts
+from perf.collectives import CollectiveTimeout, named_timeouts
 
 rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

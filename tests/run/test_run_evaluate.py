@@ -24,7 +24,7 @@ from data.loader import Batch, cu_seqlens_rows, padded_cu_seqlens
 from data.ngram import ngram_row_ids, ngram_sign_rows
 import evaluate
 from model.gpt import StepArgs
-from ops import backend as ops_backend
+from perf import backend as perf_backend
 from runtime.checkpoints import save_checkpoint
 from runtime.training import Run, Setup
 from tests.gloo_workers import run_workers
@@ -128,7 +128,7 @@ def one_process(checkpoint, tmp_path_factory, gpt2_bpe):
 def model(checkpoint, gpt2_bpe):
     """The checkpoint built and loaded as evaluate.py does, on one process."""
     cfg, _ = evaluate.read_checkpoint(checkpoint)
-    with ops_backend.use_backend(compile=False, cuda_graphs=False):
+    with perf_backend.use_backend(compile=False, cuda_graphs=False):
         setup, run = evaluate.build(cfg, checkpoint, "cpu")
         yield evaluate.CheckpointModel(run, setup)
     run.close()

@@ -17,7 +17,7 @@ from cli import apply_overrides
 from config import RUN_PRESETS, ConfigError, FeatureConfig, features_line
 from data.loader import NO_NGRAM, dummy_batch
 from model.gpt import GPT, StepArgs
-from ops import backend as ops_backend
+from perf import backend as perf_backend
 from optim.manager import OptimizerManager
 from optim.schedule import StepWeights, TrainingSchedule
 from optim.tail_average import TailAverages
@@ -91,7 +91,7 @@ def test_ngram_off_allocates_no_table_exchange_sign_pool_or_hashes(monkeypatch):
     assert run.hash_sizes == NO_NGRAM
     batch = _batches(run, 0)[0]
     assert batch.ngram_ids is None and batch.ngram_sign_rows is None
-    from runtime.cuda_graphs.state import run_state
+    from perf.cuda_graphs.state import run_state
     assert not [name for name, _ in run_state(run) if "ngram" in name]
     _forbid(monkeypatch, model.gpt, "ngram_embed")  # no embedding, so no injection
     run.train_step(0, _batches(run, 0))
@@ -225,7 +225,7 @@ class Float8Ops(TorchDispatchMode):
 
 
 def test_fp8_off_runs_bf16_gemms_and_keeps_no_fp8_cache():
-    assert ops_backend.current().fp8  # the backend could: the switch alone turns fp8 off
+    assert perf_backend.current().fp8  # the backend could: the switch alone turns fp8 off
     schedule = TrainingSchedule(SMOKE.schedule)
     b = dummy_batch(128, 896, seed=6, ngram_half_rows=SMOKE.model.ngram_rows // 2)
     rows = torch.zeros(256, SMOKE.model.model_dim, dtype=torch.bfloat16, requires_grad=True)
@@ -328,10 +328,10 @@ def test_normuon_cuda_graphs_and_compile_switches_remove_theirs():
     manager = OptimizerManager(GPT(cfg.model, fp8=False).to("meta").named_parameters(), TrainingSchedule(cfg.schedule),
                                cfg.optim, layout=(0, 1))
     assert {e.state.velocity.shape[0] for e in manager.entries.values() if e.rule.optim == "bank"} == {1}  # one rail
-    with ops_backend.use_backend(cuda_graphs=False, compile=False):
+    with perf_backend.use_backend(cuda_graphs=False, compile=False):
         run = _run(FeatureConfig())
         assert run.graphs is None and run.region_runner is training.run_eagerly
         assert run.forward is run.model  # no torch.compile wrapper
-    with ops_backend.use_backend(cuda_graphs=True, compile=True, compile_backend="eager"):
+    with perf_backend.use_backend(cuda_graphs=True, compile=True, compile_backend="eager"):
         run = _run(FeatureConfig())
         assert run.graphs is not None and run.forward is not run.model

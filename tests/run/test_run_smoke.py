@@ -76,7 +76,7 @@ def test_smoke_run_on_two_ranks_learns(smoke_run):
     # over 32,768 tokens; its entropy rate, the floor, is 2.72)
     assert final <= untrained - 2.0
     assert "step:70/70 val_loss:" in out
-    # torch 2.13 warns at every call of a deprecated collective name (transfer/collectives.py picks the current ones)
+    # torch 2.13 warns at every call of a deprecated collective name (perf/collectives.py picks the current ones)
     assert "FutureWarning" not in out and "DeprecationWarning" not in out, out
     # the train loss jumps where the softmax widens; the log says so at that step
     from optim.schedule import TrainingSchedule

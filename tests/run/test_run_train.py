@@ -118,13 +118,13 @@ def _three_steps_in_process(shards, records, overlap: str, *extra) -> tuple[dict
     and on 2 gloo ranks), which an earlier machine did not."""
     from dataclasses import asdict
 
-    from ops import backend as ops_backend
+    from perf import backend as perf_backend
 
-    backend = ops_backend.detect(env={**os.environ, "SPEEDRUN_OVERLAP": overlap})
+    backend = perf_backend.detect(env={**os.environ, "SPEEDRUN_OVERLAP": overlap})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with ops_backend.use_backend(**asdict(backend)):
+        with perf_backend.use_backend(**asdict(backend)):
             train_gpt.main(["--config", "smoke", "--data-path", str(shards), *THREE_STEPS, *extra,
                             "--records-dir", str(records)])
     finally:
@@ -225,11 +225,11 @@ def test_warmup_then_reset_leaves_no_trace(tmp_path, shards, eager_three_steps):
 
 
 def test_compiled_and_eager_losses_agree_for_three_steps(tmp_path, shards, eager_three_steps):
-    from ops import backend as ops_backend
+    from perf import backend as perf_backend
 
     torch._dynamo.reset()
     try:
-        with ops_backend.use_backend(compile=True, compile_backend="aot_eager", host_checks=False):
+        with perf_backend.use_backend(compile=True, compile_backend="aot_eager", host_checks=False):
             _main(tmp_path / "compiled", "--data-path", str(shards), "--max-steps", "3", "--log-train-loss")
     finally:
         torch._dynamo.reset()
@@ -294,11 +294,11 @@ def _sync_in_loss_watch(monkeypatch):
                                            (_sync_in_row_exchange, "row exchange"),
                                            (_sync_in_loss_watch, "loss watch")])
 def test_sync_check_names_an_injected_sync(tmp_path, shards, monkeypatch, inject, where):
-    from ops import backend as ops_backend
+    from perf import backend as perf_backend
     from runtime.sync_check import HostSyncError
 
     inject(monkeypatch)
-    with ops_backend.use_backend(sync_check=True, host_checks=False):
+    with perf_backend.use_backend(sync_check=True, host_checks=False):
         with pytest.raises(HostSyncError) as err:  # the loss watch, not the smoke preset's per-step loss line
             _main(tmp_path, "--data-path", str(shards), "--max-steps", "2", "--set", "log_train_loss=false")
     msg = str(err.value)
@@ -308,9 +308,9 @@ def test_sync_check_names_an_injected_sync(tmp_path, shards, monkeypatch, inject
 
 
 def test_sync_check_passes_a_clean_run(tmp_path, shards):
-    from ops import backend as ops_backend
+    from perf import backend as perf_backend
 
-    with ops_backend.use_backend(sync_check=True, host_checks=False):  # the logging steps' loss watch too
+    with perf_backend.use_backend(sync_check=True, host_checks=False):  # the logging steps' loss watch too
         _main(tmp_path, "--data-path", str(shards), "--max-steps", "4", "--set", "log_train_loss=false")
     (entry,) = _runs(tmp_path)
     assert entry["status"] == "finished" and entry["steps"] == 4
@@ -352,11 +352,11 @@ def test_a_compiled_run_whose_warmup_compiled_nothing_stops_before_the_clock(tmp
     returns it as it is; torch 2.13's fullgraph refuses a dynamo switched off by itself, 2.10 may
     not): the run must not time the eager model."""
     from runtime import training
-    from ops import backend as ops_backend
-    from runtime.compile import NothingCompiled
+    from perf import backend as perf_backend
+    from perf.compile import NothingCompiled
 
     monkeypatch.setattr(training, "compile_model", lambda model, backend=None: model)  # the fault
-    with ops_backend.use_backend(compile=True, compile_backend="aot_eager"):
+    with perf_backend.use_backend(compile=True, compile_backend="aot_eager"):
         with pytest.raises(NothingCompiled, match=r"SPEEDRUN_COMPILE=1 \(backend aot_eager\) but the warmup compiled "
                                                   r"no graph"):
             train_gpt.main(["--config", "smoke", "--records-dir", str(tmp_path), "--data-path", str(shards),
@@ -423,11 +423,11 @@ def test_the_progress_bar_stays_out_of_a_record_runs_console():
 def test_a_compiled_warmup_names_each_graph_it_compiles(tmp_path, shards):
     """SPEEDRUN_COMPILE=1 with aot_eager: one progress line per graph compiled in the warmup (n of
     the plan's N), and as many lines as dynamo's own count of the warmup's graphs."""
-    from ops import backend as ops_backend
+    from perf import backend as perf_backend
 
     torch._dynamo.reset()
     try:
-        with ops_backend.use_backend(compile=True, compile_backend="aot_eager", host_checks=False):
+        with perf_backend.use_backend(compile=True, compile_backend="aot_eager", host_checks=False):
             train_gpt.main(["--config", "smoke", "--records-dir", str(tmp_path), "--data-path", str(shards),
                             "--max-steps", "2", "--val-every", "0", "--val-tokens", "2048", "--seed", "0"])
     finally:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from runtime.collective_order import Collective, CollectiveOrderError, CollectiveRecorder, compare_sequences
 from tests.gloo_workers import run_workers
-from transfer.collectives import reduce_scatter_single
+from perf.collectives import reduce_scatter_single
 
 
 def collective(index, op="allreduce_", group="gloo group 0", numel=4, dtype="float32", send=(), recv=(),
@@ -188,7 +188,7 @@ def test_an_unwaited_eager_collective_before_a_graph_with_collectives_is_named()
                 if wait_first:
                     pull.wait()
                 position["now"] = "training step 4, region optimizer key 'adam'"
-                run("optimizer", "adam", lambda: reduce_scatter_single(torch.empty(2), torch.ones(4)))  # transfer.collectives: torch 2.10's name too
+                run("optimizer", "adam", lambda: reduce_scatter_single(torch.empty(2), torch.ones(4)))  # perf.collectives: torch 2.10's name too
                 pull.wait()
             try:
                 results.append(recorder.check_order())

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from data.loader import dummy_batch
-from ops import backend as ops_backend
+from perf import backend as perf_backend
 from tools.capture_contract import build_run
 
 
 @pytest.fixture(scope="module")
 def run():
-    with ops_backend.use_backend(host_checks=False, row_prefetch=True):
+    with perf_backend.use_backend(host_checks=False, row_prefetch=True):
         yield build_run("smoke", seed=0)
 
 
@@ -41,7 +41,7 @@ def test_rows_are_pulled_a_step_ahead_and_patched_across_table_events(run, monke
     assert not schedule.is_table_event(0) and schedule.is_table_event(1) and not schedule.is_table_event(2)
     b = [batches(run, s) for s in range(4)]
     planned = count_plans(run, monkeypatch)
-    with ops_backend.use_backend(host_checks=False, row_prefetch=True):
+    with perf_backend.use_backend(host_checks=False, row_prefetch=True):
         run.train_step(0, b[0], b[1])       # own 2 plans, then step 1's 2 (step 0 is no table event)
         assert len(planned) == 4 and run.prefetched is not None and run.prefetched.batches is b[1]
         # the prefetched rows are the rows a pull made now returns (the table has not changed)
@@ -72,7 +72,7 @@ def test_rows_are_pulled_a_step_ahead_and_patched_across_table_events(run, monke
 def test_a_prefetch_that_no_longer_fits_stops_the_step(run):
     schedule = run.schedule
     step = next(s for s in range(4, 20) if not schedule.is_table_event(s))
-    with ops_backend.use_backend(host_checks=False, row_prefetch=True):
+    with perf_backend.use_backend(host_checks=False, row_prefetch=True):
         run.train_step(step, batches(run, step), batches(run, step + 1))
         with pytest.raises(RuntimeError, match="batches differ from the next_batches"):
             run.train_step(step + 1, batches(run, step + 1, seed=1))   # equal contents, other objects

@@ -4,9 +4,9 @@ shapes only).
 Used by tests/tools/test_tools_cross_compile.py."""
 import torch
 
-from ops.fp8 import E4M3, scaled_mm
+from perf.fp8 import E4M3, scaled_mm
 
-SLOTS = 12  # record #360: the MLP bank's slots, one scale each in a [12] buffer (ops/mlp.py)
+SLOTS = 12  # record #360: the MLP bank's slots, one scale each in a [12] buffer (perf/kernels/mlp.py)
 
 
 def _operands():
@@ -25,7 +25,7 @@ def raw_scaled_mm_slot_view():
 
 
 def mlp_scaled_mm_slot_view():
-    """The same GEMM through ops.fp8.scaled_mm, with the scales the MLP passes: a slot's view, and a
+    """The same GEMM through perf.fp8.scaled_mm, with the scales the MLP passes: a slot's view, and a
     slot's view times the post-λ (the fold)."""
     def fn(a, w, scale_a, scale_b, post_lambda):
         return scaled_mm(a, w.t(), scale_a[3], scale_b[5] * post_lambda, torch.bfloat16, True)
@@ -33,7 +33,7 @@ def mlp_scaled_mm_slot_view():
 
 
 def _flex_case(training: bool):
-    from ops.attention_backends import flex_varlen_attention
+    from perf.attention_backends import flex_varlen_attention
 
     def fn(q, k, v, cu_seqlens):
         return flex_varlen_attention(q, k, v, cu_seqlens, window=384, softmax_scale=0.12, paired=True)
@@ -45,7 +45,7 @@ def _flex_case(training: bool):
 
 
 def flex_attention_recipe_widths():
-    """flex attention, what SM89 and SM80 run for FA3 (ops.backend.detect), at record #360's widths
+    """flex attention, what SM89 and SM80 run for FA3 (perf.backend.detect), at record #360's widths
     on its paired-head layers (6 heads, d_qk 64, d_v 128; [2T, 3, d] streams), forward and backward:
     its Triton templates pick their tiles by the GPU's capability and shared memory."""
     return _flex_case(training=True)
@@ -53,17 +53,17 @@ def flex_attention_recipe_widths():
 
 def flex_attention_validation():
     """The same attention in an inference graph, as a validation forward runs it: the mask's segment
-    ids captured as a computed tensor failed to lower here (ops/attention_backends.py
+    ids captured as a computed tensor failed to lower here (perf/attention_backends.py
     `_segment_ids_op`)."""
     return _flex_case(training=False)
 
 
 def up_relu2_fp8_record_tile():
-    """The fp8 MLP's up-projection kernel at record #360's tile (ops/mlp.py TILES["cuda_fp8"],
+    """The fp8 MLP's up-projection kernel at record #360's tile (perf/kernels/mlp.py TILES["cuda_fp8"],
     3 stages: 176 KiB of shared memory per block for sm_90, 128 KiB for sm_89): over an L40S's 99 KiB,
     so inductor recompiles it with one stage, as at its first launch on such a GPU."""
-    from ops.fp8 import E4M3
-    from ops.mlp import up_relu2_fp8_triton
+    from perf.fp8 import E4M3
+    from perf.kernels.mlp import up_relu2_fp8_triton
 
     def fn(x8, w1_8, s_x, s_w1, s_post, post_amax):
         return up_relu2_fp8_triton(x8, w1_8, s_x, s_w1, s_post, post_amax, torch.bfloat16)

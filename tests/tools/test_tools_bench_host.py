@@ -22,7 +22,7 @@ import torch
 
 from config import RUN_PRESETS, SCHEDULE_PRESETS, OptimConfig
 from data.loader import dummy_batch
-from ops import backend as ops_backend
+from perf import backend as perf_backend
 from optim.adam import adam_step_scalars
 from optim.manager import NgramRowOptimizer, OptimizerManager
 import optim.row_exchange as row_exchange
@@ -30,8 +30,8 @@ from optim.row_exchange import RowExchange, plan_push, unique_inverse
 from optim.schedule import TrainingSchedule
 from optim.standin import StandInParams
 from tools import bench_host
-from transfer import streams
-from transfer.pinned_batches import PinnedBatchRing, PinnedStaging
+from perf import streams
+from perf.pinned_batches import PinnedBatchRing, PinnedStaging
 
 ROWS, DIM = 64, 8
 SMOKE = TrainingSchedule(SCHEDULE_PRESETS["smoke"])
@@ -227,7 +227,7 @@ def test_the_scalar_table_holds_the_fill_paths_values_bitwise(bank_optimizer):
 
 class FakeEvent(streams.Event):
     """A copy in flight until the test says it retired (synchronize retires it). The stream checks'
-    event underneath (transfer/streams.py): they see the slot free only once it retired."""
+    event underneath (perf/streams.py): they see the slot free only once it retired."""
 
     def __init__(self, log: list):
         super().__init__("cpu")
@@ -292,7 +292,7 @@ def test_a_run_plans_ahead_around_table_events_and_uses_what_it_planned(monkeypa
     event = next(s for s in range(24, 40) if schedule.is_table_event(s))   # a 4-step cycle's event
     assert not schedule.is_table_event(event - 1) and not schedule.is_table_event(event + 1)
     world = cfg.virtual_world_size
-    backend = ops_backend.current()
+    backend = perf_backend.current()
 
     def batches(step):
         tokens = schedule.batch_tokens(step) // world

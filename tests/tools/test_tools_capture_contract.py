@@ -15,7 +15,7 @@ from optim.anvil import anvil_update
 from optim.manager import OptimizerManager
 from optim.normuon import normuon_update
 from optim.schedule import TrainingSchedule
-from runtime.cuda_graphs.state import module_state, optimizer_state
+from perf.cuda_graphs.state import module_state, optimizer_state
 from tools import capture_contract as contract
 from tools.capture_contract import ContractChecker
 
@@ -205,8 +205,8 @@ def test_pageable_copy_into_device_memory_is_caught():
 
 @pytest.fixture(scope="module")
 def smoke():
-    from ops import backend as ops_backend
-    with ops_backend.use_backend(host_checks=False):
+    from perf import backend as perf_backend
+    with perf_backend.use_backend(host_checks=False):
         run = contract.build_run("smoke", seed=0)
         checker = contract.check_run(run, 3)
         yield run, checker

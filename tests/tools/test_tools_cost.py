@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from config import RUN_PRESETS
-from ops.attention_backends import varlen_attention_mask
-from ops.fp8 import E4M3, scaled_mm
+from perf.attention_backends import varlen_attention_mask
+from perf.fp8 import E4M3, scaled_mm
 from runtime import op_count, throughput
 from tools import cost
 
@@ -46,7 +46,7 @@ def test_attention_pairs_match_a_brute_force_mask(window):
     fwd, bwd = op_count.attention_flops(cu.tolist(), window, heads=6, d_qk=16, d_v=8, paired=False)
     pairs = int(varlen_attention_mask(cu, T, window).sum())
     assert fwd == 2 * pairs * 6 * (16 + 8) and bwd == 2 * pairs * 6 * (3 * 16 + 2 * 8)
-    # paired heads: half the heads over the doubled positions (the layout ops.attention_backends uses)
+    # paired heads: half the heads over the doubled positions (the layout perf.attention_backends uses)
     paired_fwd, _ = op_count.attention_flops(cu.tolist(), window, heads=6, d_qk=16, d_v=8, paired=True)
     doubled = int(varlen_attention_mask(2 * cu, 2 * T, window).sum())
     assert paired_fwd == 2 * doubled * 3 * (16 + 8)

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from config import RUN_PRESETS, ConfigError
-from ops import attention_backends as ab
-from ops.backend import detect
+from perf import attention_backends as ab
+from perf.backend import detect
 from tests import long_runs
 from tools.cross_compile import GraphReport, GraphSpec, count_wrapper, failing_op, plan_graphs
 
@@ -79,7 +79,7 @@ def test_plan_has_one_graph_per_geometry_and_the_validations():
 
 @pytest.mark.parametrize("sm, fp8, attention", [(90, True, "fa3"), (89, True, "flex"), (80, False, "flex")])
 def test_each_faked_gpu_compiles_the_backend_a_run_on_it_gets(monkeypatch, sm, fp8, attention):
-    """The backend comes from `ops.backend.detect` on the faked device's capability, as a run's
+    """The backend comes from `perf.backend.detect` on the faked device's capability, as a run's
     does: an L40S / RTX 4090 keeps fp8 and falls back to flex attention, an A100 loses fp8 too."""
     from tools.cross_compile import DEVICES_SM, describe_backend, target_backend
     from tools.fake_gpu import DEVICES

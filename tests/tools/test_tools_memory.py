@@ -160,7 +160,7 @@ def test_memory_command_ends_with_the_two_lines(capsys, record_report):
     assert lines[-2].startswith("static per rank: ") and lines[-2].endswith(" GiB")
     assert lines[-1].startswith("per-rank peak estimate: ") and lines[-1].endswith(" GiB")
     assert "warmup-reset snapshot" in "\n".join(lines)
-    # the capture check's section (tools/capture_cost.py; its numbers: tests/runtime/test_runtime_capture_bytes.py)
+    # the capture check's section (tools/capture_cost.py; its numbers: tests/perf/test_perf_cuda_graphs_capture_bytes.py)
     text = "\n".join(lines)
     assert "capture check (SPEEDRUN_CUDA_GRAPHS" in text and "bound: host bytes per rank ≤ 2 × the largest key's" in text
     assert "WARNING" not in text
