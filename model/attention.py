@@ -10,7 +10,9 @@ The QKV projection is one GEMM over [W_qk; W_v]: in training the packed fp8 proj
 perf/fp8.py (sa0 folded into its dequant scale), in validation bf16 with sa0 on the weight. With
 `perf.backend.current().fused_qkv` (SPEEDRUN_FUSED_QKV, default on) training runs the same math as
 perf/kernels/qkv_rope.py `fp8_qkv_rope`: the input quantize, the GEMM, the QK-norm and rotary in
-fewer launches (bitwise this path's on the portable backend).
+fewer launches (bitwise this path's on the portable backend). The QK-norm, rotary and key offset are
+written once, as perf/kernels/qkv_rope.py `normed_rotary_qk`: both paths run it (perf sits below
+model, so the definition lives beside its kernel).
 The O weight (bf16 in both) carries sa1 and, when given, the layer's attention post-λ (`o_gain`):
 out = y·bf16(sa1·o_gain·W_O)ᵀ, one rounding of the product, so p's gradient is a reduction over the
 weight instead of over the [T, D] output (record #360: track_1_short/model/attention.py).
@@ -22,12 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from model.rotary import Yarn, rotate
+from model.rotary import Yarn
 from perf.attention_backends import varlen_attention
 from perf.backend import current
 from perf.fp8 import fp8_qkv
-from perf.kernels.qkv_rope import fp8_qkv_rope
-from perf.residual_fusion import RMS_NORM_EPS
+from perf.kernels.qkv_rope import fp8_qkv_rope, normed_rotary_qk
 
 XSA_EPS = 1e-8  # record #360: floor of ‖v‖² in the XSA projection
 
@@ -53,31 +54,6 @@ def scaled_weight(c: Tensor, w: Tensor) -> Tensor:
     return (c.float() * w.float()).to(w.dtype)
 
 
-def qk_norm(u: Tensor) -> Tensor:
-    """Per-head RMS norm of u [T, heads, d] in fp32, no weight, F.rms_norm's eps."""
-    u = u.float()
-    return u * torch.rsqrt(u.pow(2).mean(dim=-1, keepdim=True) + RMS_NORM_EPS)
-
-
-def normed_rotary_qk(qk: Tensor, yarn: Yarn, paired: bool, key_offset: bool) -> tuple[Tensor, Tensor]:
-    """QK-norm, rotary and the partial key offset of qk [T, 2H, d] (Q heads, then K heads) → fp32 q, k."""
-    T, H2, dq = qk.shape
-    H = H2 // 2
-    qk = qk_norm(qk)  # (T, 2H, dq) fp32
-    factor1, factor2 = yarn.tables(T)  # (T, dq) or paired (T, 2·dq)
-    if paired:  # even logical heads rotate at position 2t, odd heads at 2t+1 (as record #360)
-        head_parity = torch.arange(2 * H, device=qk.device) % H % 2  # Q heads then K heads
-        factor1, factor2 = (f.view(T, 2, dq)[:, head_parity] for f in (factor1, factor2))  # (T, 2H, dq)
-    else:
-        factor1, factor2 = factor1[:, None], factor2[:, None]
-    qk = rotate(qk, factor1, factor2)
-    q, k = qk[:, :H], qk[:, H:]
-    if key_offset:  # stationary dims of key t come from key t−1 (across documents too); key 0 keeps its own
-        rd = yarn.rotary_dim
-        k = torch.cat([k[:, :, :rd], torch.cat([k[:1, :, rd:], k[:-1, :, rd:]])], dim=-1)
-    return q, k
-
-
 class CausalSelfAttention(torch.nn.Module):
     def __init__(self, num_heads: int, head_dim: int, qk_dim: int, v_dim: int, paired: bool):
         super().__init__()
@@ -90,9 +66,10 @@ class CausalSelfAttention(torch.nn.Module):
         if args.key_offset and dq <= args.yarn.rotary_dim:
             raise ValueError("attention: the key offset needs stationary dims (d_qk > rotary_dim)")
         sa0, sa1 = args.sa_lambdas[0], args.sa_lambdas[1]
+        factor1, factor2 = args.yarn.tables(T)  # bf16 (T, dq), paired (T, 2·dq)
+        rotary_dim = args.yarn.rotary_dim
         if args.fp8 and current().fused_qkv:  # the same math in fewer launches (SPEEDRUN_FUSED_QKV)
-            factor1, factor2 = args.yarn.tables(T)
-            q, k, v = fp8_qkv_rope(x, qk_w, v_w, sa0, factor1, factor2, H, args.yarn.rotary_dim, self.paired,
+            q, k, v = fp8_qkv_rope(x, qk_w, v_w, sa0, factor1, factor2, H, rotary_dim, self.paired,
                                    args.key_offset)  # (T, H, dq), (T, H, dq), (T, H, dv)
         else:
             if args.fp8:
@@ -100,7 +77,8 @@ class CausalSelfAttention(torch.nn.Module):
             else:
                 qkv = x @ scaled_weight(sa0, torch.cat([qk_w, v_w])).t()
             qk, v = qkv.split([2 * H * dq, H * dv], dim=-1)
-            q, k = normed_rotary_qk(qk.view(T, 2 * H, dq), args.yarn, self.paired, args.key_offset)
+            q, k = normed_rotary_qk(qk.view(T, 2 * H, dq), factor1, factor2, rotary_dim, self.paired,
+                                    args.key_offset)  # (T, H, dq) fp32 each
             q, k = q.to(x.dtype), k.to(x.dtype)
             v = v.view(T, H, dv)
         if args.aux_v is not None:

@@ -4,6 +4,9 @@ Frequencies ω_j = (1/1024)^(j/(n−1)), j < n = rotary_dim/2 (record: 32), each
 dims, so `rotary_dim` dims rotate; a head wider than that keeps the rest stationary (ω = 0).
 Row t of a table is (cos(t·ω), sin(t·ω) with odd columns negated), rounded to bf16 as record #360
 stores it; a paired table packs positions 2t and 2t+1 side by side for the paired-head layers.
+The rotation that reads the tables, y = factor1·u + factor2·swap(u), is perf/kernels/qkv_rope.py
+`rotate`, inside `normed_rotary_qk` (the attention's QK-norm + rotary, written once for the model and
+the fused kernel's portable twin).
 When the schedule grows the attention window, `rescale(old, new)` interpolates the frequencies
 (YaRN, α = 1, β = 32) and grows the softmax scale by 1 + 0.2·ln(new/old).
 Rows are built on demand for the T positions of a batch (the fast path may cache them).
@@ -71,13 +74,3 @@ class Yarn(nn.Module):
             factor1 = factor1.reshape(num_rows, 2 * self.head_dim)
             factor2 = factor2.reshape(num_rows, 2 * self.head_dim)
         return factor1, factor2
-
-
-def rotate(u: Tensor, factor1: Tensor, factor2: Tensor) -> Tensor:
-    """y = factor1·u + factor2·swap(u) in fp32, swap exchanging each adjacent pair (2j, 2j+1).
-
-    u [T, heads, d] fp32; factors broadcastable to it. Per pair (a, b) at angle θ:
-    y_2j = cos θ·a + sin θ·b, y_2j+1 = cos θ·b − sin θ·a.
-    """
-    swapped = u.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return factor1.float() * u + factor2.float() * swapped

@@ -1,10 +1,26 @@
 """The optimizer of a run: every model parameter's update, sharded over ranks, with the
 communication order of record #360 (track_1_short/training.py, track_1_short/optim/anvil.py).
 
-    manager = OptimizerManager(model.named_parameters(), TrainingSchedule(sched_cfg), OptimConfig())
+    manager = OptimizerManager(model.named_parameters(), schedule, OptimConfig())
     for step in range(schedule.total_steps):
-        loss.backward()            # gradients of the summed loss
-        manager.step(step)         # reduce, update, gather, clear the gradients it consumed
+        loss.backward()                          # gradients of the summed loss
+        manager.step(schedule.settings(step))    # scalars, reduce, update, gather, clear, untie
+
+`step` is the one call a run makes per step (training.Run.train_step, with its region runner, its
+virtual ranks' lanes and the n-gram row optimizer); it owns the order of the work:
+
+    load_scalars   the step's lr, betas, decays into device scalars (host work, outside any region)
+    lanes.reduce   one process playing several ranks: their gradients summed in rank order
+    update         reduce-scatter, update, gather: the region ("optimizer", phase), captured under
+                   CUDA graphs, so it reads only device memory and sets no host state
+    lanes.clear    the consumed gradients of every virtual rank
+    launch_deferred_gathers   the banks' all-gathers, waited before the next read (`wait_gathers`)
+    untie          at the split step, embed's moments from lm_head's (host state: outside the region)
+    rows.step      the n-gram table's event (NgramRowOptimizer), when the step is one
+
+The pieces stay public for the tools that price or check one of them (tools/cost.py,
+tools/capture_contract.py); none of them re-runs another that its caller skipped: `update` refuses a
+step whose scalars were not loaded, or whose virtual ranks were not folded.
 
 * Banks (qk, vo, mlp): each step, the gradient viewed as [matrices, rows, cols] is
   reduce-scattered (average over ranks) so each rank updates 1/W of the matrices with ANVIL (or
@@ -57,7 +73,7 @@ from optim.adam import (EMBED, LM_HEAD, RECORD_PARAM_TABLE, VALUE_EMBEDS, AdamSt
 from optim.anvil import BankState, BankStepScalars, anvil_update, rail_settings, shape_lr_multiplier
 from optim.normuon import muon_momentum, normuon_update
 from optim.row_exchange import RowExchange, RowPlan
-from optim.schedule import TrainingSchedule
+from optim.schedule import StepSettings, TrainingSchedule
 from perf import streams
 from perf.collectives import all_gather_single, reduce_scatter_single
 from perf.pinned_batches import PinnedStaging
@@ -135,11 +151,6 @@ class Entry:
     # 0-D fp32 each (banks: momentum, eff_wd, fast_beta, momentum_lerp; Adam: step_size, decay),
     # banks' eff_lr [chunk, 1, 1] fp32
     scalars: dict[str, Tensor] = field(default_factory=dict)
-
-    @property
-    def matrix_lr(self) -> Tensor:
-        """Per-matrix lr multipliers, [chunk, 1, 1]: per-matrix mul * lr_mul * shape multiplier."""
-        return self.matrix_mults * self.lr_scale
 
     def bank_eff_lr(self, lr: float) -> Tensor:
         """[chunk, 1, 1] fp32 effective lr: m · fp32(lr_mul · shape · lr), the product taken in
@@ -243,7 +254,7 @@ class OptimizerManager:
             e.scalars = {k: torch.zeros((), dtype=torch.float32, device=device) for k in names}
             if e.rule.optim == "bank":
                 e.scalars["eff_lr"] = torch.zeros_like(e.matrix_mults)
-        self._loaded: int | None = None            # the step whose scalars the entries hold
+        self._loaded: int | None = None            # the step whose scalars the entries hold (load_scalars)
         self._bank_host: dict[str, BankStepScalars] = {}
         if self.tied:
             lm, em = self.entries[LM_HEAD].param, self.entries[EMBED].param
@@ -317,112 +328,118 @@ class OptimizerManager:
         self._loaded = None
 
     # --- per-step hyperparameters --------------------------------------------------------------
-    def bank_scalars(self, entry: Entry, step: int) -> BankStepScalars:
-        lr_mult = self.schedule.lr_mult(step)
+    def settings(self, step: int | StepSettings) -> StepSettings:
+        """The step's settings (computed once per step by the caller; a step number is looked up)."""
+        return step if isinstance(step, StepSettings) else self.schedule.settings(step)
+
+    def bank_scalars(self, entry: Entry, step: int | StepSettings) -> BankStepScalars:
+        s = self.settings(step)
         cfg = self.cfg
         if cfg.bank_optimizer == "anvil":
-            lr = cfg.anvil_lr * lr_mult
-            rail_beta = self.schedule.rail_beta(step)
-            fast_beta, fast_weight = rail_settings(step, rail_beta, self.schedule.rails_engaged(step),
+            lr = cfg.anvil_lr * s.lr_mult
+            fast_beta, fast_weight = rail_settings(s.step, s.rail_beta, s.rails_engaged,
                                                    cfg.rail_fast_beta, cfg.rail_fast_weight)
-            return BankStepScalars(momentum=rail_beta, eff_wd=entry.rule.wd_mul * cfg.anvil_weight_decay * lr,
+            return BankStepScalars(momentum=s.rail_beta, eff_wd=entry.rule.wd_mul * cfg.anvil_weight_decay * lr,
                                    eff_lr=entry.bank_eff_lr(lr), fast_beta=fast_beta,
                                    fast_weight=fast_weight, slow_beta=cfg.rail_slow_beta,
                                    beta2=cfg.lane_beta2, margin=cfg.frobenius_margin,
                                    eps=cfg.frobenius_eps)
         # record #89's NorMuon, with its momentum schedule (0.85 -> 0.95 -> 0.85) over this run
-        lr = cfg.normuon_lr * lr_mult
-        return BankStepScalars(momentum=muon_momentum(step, self.schedule.total_steps),
+        lr = cfg.normuon_lr * s.lr_mult
+        return BankStepScalars(momentum=muon_momentum(s.step, self.schedule.total_steps),
                                eff_wd=entry.rule.wd_mul * cfg.normuon_weight_decay * lr,
                                eff_lr=entry.bank_eff_lr(lr), beta2=cfg.lane_beta2,
                                margin=cfg.normuon_frobenius_margin, eps=cfg.frobenius_eps)
 
-    def adam_hparams(self, entry: Entry, step: int) -> tuple[tuple[float, float], float, float]:
+    def adam_hparams(self, entry: Entry, step: int | StepSettings) -> tuple[tuple[float, float], float, float]:
         """(betas, effective lr, decay coefficient base * wd_mul) of an Adam parameter at step."""
+        s = self.settings(step)
         rule = entry.rule
         betas, wd_mul = rule.betas, rule.wd_mul
         if entry.name == VALUE_EMBEDS:
-            betas, wd_mul = value_embed_hparams(rule, self.schedule.table_period4(step))
-        lr = self.cfg.adam_lr * self.schedule.lr_mult(step) * rule.lr_mul
+            betas, wd_mul = value_embed_hparams(rule, s.table_period4)
+        lr = self.cfg.adam_lr * s.lr_mult * rule.lr_mul
         return betas, lr, self.cfg.adam_weight_decay * wd_mul
 
-    def ngram_event_hparams(self, step: int) -> dict:
+    def ngram_event_hparams(self, step: int | StepSettings) -> dict:
         """Keyword arguments of optim.adam.row_sparse_adam_event for the n-gram table at a table
         event (record #360: lr 0.008 * schedule * 70, beta2 0.95 -> 0.9025 and wd_mul 5 -> 10 at
         the 4-step cadence, eps 1e-10)."""
-        period4 = self.schedule.table_period4(step)
+        s = self.settings(step)
+        period4 = s.table_period4
         cfg = self.cfg
-        return dict(lr=cfg.adam_lr * self.schedule.lr_mult(step) * cfg.ngram_lr_mul,
+        return dict(lr=cfg.adam_lr * s.lr_mult * cfg.ngram_lr_mul,
                     beta2=cfg.ngram_beta2 ** 2 if period4 else cfg.ngram_beta2,
                     weight_decay=cfg.adam_weight_decay * cfg.ngram_wd_mul * (2 if period4 else 1),
                     world_size=self.world_size * self.local_ranks, eps=cfg.adam_eps)
 
-    def updates_at(self, entry: Entry, step: int) -> bool:
+    def updates_at(self, entry: Entry, step: int | StepSettings) -> bool:
         cadence = entry.rule.cadence
         if cadence == "every":
             return True
+        s = self.settings(step)
         if cadence == "adam":
             if entry.name == EMBED and self.tied and not self.split:
                 return False       # updated through lm_head
-            return self.schedule.is_adam_step(step)
-        return self.schedule.is_table_event(step)
+            return s.adam_step
+        return s.table_event
 
-    def phase(self, step: int) -> "OptimizerPhase":
+    def phase(self, step: int | StepSettings) -> "OptimizerPhase":
         """What decides the kernels of `step(step)`, the key of a captured optimizer update (see
         OptimizerPhase); equal phases run the same kernels on the same tensors."""
-        return self._phase(step, self.tied and not self.split)
+        return self._phase(self.settings(step), self.tied and not self.split)
 
-    def phase_at(self, step: int) -> "OptimizerPhase":
+    def phase_at(self, step: int | StepSettings) -> "OptimizerPhase":
         """The phase `phase(step)` returns when a run reaches `step` from step 0 (tied up to and
         including the split step): what a warmup plans its captures with."""
-        return self._phase(step, self.tied and step <= self.schedule.split_step)
+        s = self.settings(step)
+        return self._phase(s, self.tied and s.step <= self.schedule.split_step)
 
-    def _phase(self, step: int, tied: bool) -> "OptimizerPhase":
+    def _phase(self, s: StepSettings, tied: bool) -> "OptimizerPhase":
         # the table cadence's flags select kernels only when a table-cadence parameter exists (none
         # without value embeddings: then fewer keys, so fewer captured graphs)
         table = any(e.rule.cadence == "table" for e in self.entries.values())
-        return OptimizerPhase(adam=self.schedule.is_adam_step(step),
-                              table_event=table and self.schedule.is_table_event(step), tied=tied,
-                              period4=table and self.schedule.table_period4(step),
-                              rails=self.schedule.rails_engaged(step))
+        return OptimizerPhase(adam=s.adam_step, table_event=table and s.table_event, tied=tied,
+                              period4=table and s.table_period4, rails=s.rails_engaged)
 
     # --- the step ---------------------------------------------------------------------------
-    def _due(self, step: int) -> list[str]:
+    def _due(self, step: int | StepSettings) -> list[str]:
         """The parameters that update at `step`: due by cadence and holding a gradient."""
+        s = self.settings(step)
         return [name for name, e in self.entries.items()
-                if self.updates_at(e, step) and (e.held is not None or e.param.grad is not None)]
+                if self.updates_at(e, s) and (e.held is not None or e.param.grad is not None)]
 
     _scalar_table: "ScalarTable | None" = None  # load_scalars builds it at its first call
 
     @torch.no_grad()
-    def load_scalars(self, step: int) -> None:
+    def load_scalars(self, step: int | StepSettings) -> None:
         """Write `step`'s hyperparameters into the due entries' device scalars (Entry.scalars) and
-        advance the Adam step counts: the host half of `step(step)`, run before it and outside a
+        advance the Adam step counts: the host half of the step, run before `update` and outside a
         captured update, so that the update reads only device memory whose values change in place
-        (no per-step Python number becomes a kernel argument; a replay runs no Python). `step`
-        calls it itself when the caller has not.
+        (no per-step Python number becomes a kernel argument; a replay runs no Python).
 
         The 0-D scalars are views of one table (`ScalarTable`): the values are written on the host
         and reach the device in one copy; the banks' per-matrix eff_lr is computed on the device
         (its multipliers live there), a multiply and a copy each, as before."""
+        s = self.settings(step)
         table = self._scalar_table
         if table is None:  # the first load: every scalar still holds its initial zero
             table = self._scalar_table = ScalarTable(self.entries)
-        for name in self._due(step):
+        for name in self._due(s):
             e = self.entries[name]
             if e.rule.optim == "bank":
-                host = self.bank_scalars(e, step)
+                host = self.bank_scalars(e, s)
                 self._bank_host[name] = host
                 e.scalars["eff_lr"].copy_(host.eff_lr)
                 table.set(name, momentum=host.momentum, eff_wd=host.eff_wd, fast_beta=host.fast_beta,
                           momentum_lerp=1 - host.momentum)  # NorMuon's lerp weight, rounded once as before
             else:
                 e.state.step += 1
-                betas, lr, wd = self.adam_hparams(e, step)
+                betas, lr, wd = self.adam_hparams(e, s)
                 step_size, decay = adam_step_scalars(lr, betas, e.state.step, wd)
                 table.set(name, step_size=step_size, decay=decay)
         table.upload()
-        self._loaded = step
+        self._loaded = s.step
 
     def _bank_device_scalars(self, entry: Entry) -> BankStepScalars:
         """The loaded step's bank scalars, its per-step values as the entry's device tensors."""
@@ -430,26 +447,59 @@ class OptimizerManager:
         return replace(self._bank_host[entry.name], momentum=sc["momentum"], eff_wd=sc["eff_wd"],
                        eff_lr=sc["eff_lr"], fast_beta=sc["fast_beta"], momentum_lerp=sc["momentum_lerp"])
 
-    def untie_due(self, step: int) -> bool:
+    def untie_due(self, step: int | StepSettings) -> bool:
         """Whether `step` is the split step, whose update is followed by `untie()`."""
-        return self.tied and not self.split and step == self.schedule.split_step
+        return self.tied and not self.split and self.settings(step).step == self.schedule.split_step
 
     @torch.no_grad()
-    def step(self, step: int, untie: bool = True) -> None:
-        """Reduce, update and gather every parameter due at `step`; clear the gradients used
-        (zeroed in place with keep_grads, else released); at the split step, then `untie()`.
-        untie=False leaves that to the caller (`untie_due`): a captured update must not contain it,
-        since it sets host state (the split flag, embed's Adam step count) a replay would skip."""
-        if self._in_flight:
-            raise RuntimeError(f"OptimizerManager.step({step}): the deferred gathers of "
-                               f"{[n for n, _ in self._in_flight]} were never waited (wait_gathers() "
-                               f"before the weights are read or updated again)")
+    def step(self, step: int | StepSettings, run_region=None, lanes=None, rows: "NgramRowOptimizer | None" = None) -> bool:
+        """Every optimizer's work of one training step, in record #360's order (the module's
+        docstring lists it): the one call a run makes after its backwards. Returns whether the
+        n-gram table changed (a table event of `rows`), which invalidates rows pulled ahead.
+
+        run_region(region, key, fn): how the update runs (training.Run.run_region: captured or
+        replayed under CUDA graphs); None calls it. lanes (optim/lanes.py): the virtual ranks of a
+        process playing several, each folded (`fold_local`) after its own backward. rows: the
+        n-gram table's row optimizer (NgramRowOptimizer), stepped last."""
+        s = self.settings(step)
+        self._refuse_gathers_in_flight("step", s.step)  # before any state moves
+        self.load_scalars(s)
+        consumed = None
+        if lanes is not None:  # the virtual ranks' gradients summed in rank order, as their reduce adds
+            consumed = self.consumed(s)
+            lanes.reduce(self.reduced(s))
+        if run_region is None:
+            self.update(s)
+        else:
+            run_region("optimizer", self.phase(s), lambda: self.update(s))
+        if consumed is not None:
+            lanes.clear(consumed)
+        # the banks' all-gathers (defer_gathers) run under whatever comes before `wait_gathers`
+        self.launch_deferred_gathers(s)
+        if self.untie_due(s):  # once per run: embed's moments from lm_head's, host state too
+            self.untie()
+        return rows is not None and rows.step(s)
+
+    @torch.no_grad()
+    def update(self, step: int | StepSettings) -> None:
+        """Reduce, update and gather every parameter due at `step` and clear the gradients used
+        (zeroed in place with keep_grads, else released): the captured part of `step`. It reads
+        the scalars `load_scalars(step)` wrote and sets no host state (a replay would skip it), so
+        the untie and the table event stay outside it. On one rank per process it first folds the
+        rank's gradients (`fold_local`); a process playing several ranks folds each after its
+        backward, and `update` checks that it did."""
+        s = self.settings(step)
+        step = s.step
+        self._refuse_gathers_in_flight("update", step)
         if self._loaded != step:
-            self.load_scalars(step)
-        if self._folded != step:  # one rank per process: its own folds, here (else the caller's, per virtual rank)
-            self.fold_local(step)
-        due = set(self._due(step))
-        adam_step = self.schedule.is_adam_step(step)
+            raise RuntimeError(f"OptimizerManager.update({step}): the scalars loaded are step {self._loaded}'s "
+                               f"(load_scalars({step}) first; OptimizerManager.step does both)")
+        if self.local_ranks == 1:
+            self._fold(s)
+        elif self._folded != step:
+            raise RuntimeError(f"OptimizerManager.update({step}): the {self.local_ranks} virtual ranks' gradients "
+                               f"were not folded at this step (fold_local({step}) after each rank's backward)")
+        due = set(self._due(s))
 
         # Phase 0: the replicated Adam params' all-reduces.
         replicated = [n for n, e in self.entries.items() if n in due and e.shard is None]
@@ -468,14 +518,14 @@ class OptimizerManager:
                 grad.div_(self.local_ranks)
             entry = self.entries[name]
             if entry.shard is None:
-                self._adam(entry, entry.param.data, grad, step)
+                self._adam(entry, entry.param.data, grad, s)
                 continue
             local = entry.shard.local(entry.view)
             if entry.rule.optim == "bank":
                 update = anvil_update if self.cfg.bank_optimizer == "anvil" else normuon_update
                 update(local, grad, entry.state, self._bank_device_scalars(entry))
             else:
-                self._adam(entry, local, grad, step)
+                self._adam(entry, local, grad, s)
             if name not in self.deferred:  # deferred: launch_deferred_gathers, after this call
                 gathers[name] = self._all_gather(entry, local)
         # Phase 3: lm_head's gather first (the tied copy needs it), then the rest.
@@ -484,7 +534,7 @@ class OptimizerManager:
             if name == LM_HEAD and self.tied and not self.split:
                 transpose_into(self.entries[EMBED].param.data, self.entries[LM_HEAD].param.data)
         # Clear the gradients that were consumed (Adam grads keep accumulating until their step).
-        consumed = self.consumed(step, due)
+        consumed = self.consumed(s, due)
         for e in self.entries.values():
             if any(e.param.grad is t for t in consumed):
                 self._clear_grad(e.param)
@@ -492,49 +542,56 @@ class OptimizerManager:
                 e.held.zero_()
         # _loaded stays `step`: the update sets no host state (a captured one is replayed, and the
         # capture check runs it thrice from the same state); the next load_scalars moves it on
-        if untie and self.untie_due(step):
-            self.untie()
 
     @torch.no_grad()
-    def fold_local(self, step: int) -> None:
-        """What a rank does to its own gradients before the reduce, once per step: the dense
-        .grad of a table-cadence parameter added into its cycle buffer (fp16, record #360), and
-        while tied, at an Adam step, embed's gradient into lm_head's. `step` runs it itself; one
-        process playing several ranks runs it after each virtual rank's backward, on that rank's
-        gradients (training.Run with optim/lanes.py), and `step` then leaves it."""
+    def fold_local(self, step: int | StepSettings) -> None:
+        """What a virtual rank does to its own gradients before the reduce, after its backward
+        (training.Run with optim/lanes.py, on that rank's gradients): see `_fold`. One rank per
+        process folds inside `update`, so this is for a process playing several."""
+        if self.local_ranks == 1:
+            raise RuntimeError("OptimizerManager.fold_local: one rank per process folds inside update(); "
+                               "fold_local is for a process playing several virtual ranks")
+        self._fold(self.settings(step))
+
+    def _fold(self, s: StepSettings) -> None:
+        """Once per step and rank: the dense .grad of a table-cadence parameter added into its
+        cycle buffer (fp16, record #360), and while tied, at an Adam step, embed's gradient into
+        lm_head's."""
+        step = s.step
         for e in self.entries.values():
             if e.held is not None and e.param.grad is not None:
                 e.held.add_(e.param.grad)
                 self._clear_grad(e.param)
-        if self.tied and not self.split and self.schedule.is_adam_step(step) and LM_HEAD in self._due(step):
+        if self.tied and not self.split and s.adam_step and LM_HEAD in self._due(s):
             embed = self.entries[EMBED].param
             if embed.grad is not None:     # tied: embed's gradient trains lm_head
                 transpose_add_(self.entries[LM_HEAD].param.grad, embed.grad)  # [D, V] += [V, D]^T
         self._folded = step
 
-    def reduced(self, step: int) -> list[Tensor]:
-        """The gradient tensors `step(step)` reduces: the due entries' (cycle buffer or .grad)."""
+    def reduced(self, step: int | StepSettings) -> list[Tensor]:
+        """The gradient tensors `update(step)` reduces: the due entries' (cycle buffer or .grad)."""
         return [self.entries[name].gradient() for name in self._due(step)]
 
-    def consumed(self, step: int, due: Iterable[str] | None = None) -> list[Tensor]:
-        """The gradient tensors `step(step)` clears: the due entries' .grad and cycle buffer, and
-        embed's .grad at a tied Adam step (folded into lm_head's). Ask before the step."""
-        due = self._due(step) if due is None else due
+    def consumed(self, step: int | StepSettings, due: Iterable[str] | None = None) -> list[Tensor]:
+        """The gradient tensors `update(step)` clears: the due entries' .grad and cycle buffer, and
+        embed's .grad at a tied Adam step (folded into lm_head's). Ask before the update."""
+        s = self.settings(step)
+        due = self._due(s) if due is None else due
         out = []
         for name in due:
             e = self.entries[name]
             out += [t for t in (e.param.grad, e.held) if t is not None]
-        if self.tied and not self.split and self.schedule.is_adam_step(step):
+        if self.tied and not self.split and s.adam_step:
             embed = self.entries[EMBED].param.grad
             if embed is not None and not any(t is embed for t in out):
                 out.append(embed)
         return out
 
     # --- deferred gathers (defer_gathers) --------------------------------------------------------
-    def launch_deferred_gathers(self, step: int) -> None:
-        """Launch the all-gathers `step(step)` left out (`deferred` banks due at `step`), in work
+    def launch_deferred_gathers(self, step: int | StepSettings) -> None:
+        """Launch the all-gathers `update(step)` left out (`deferred` banks due at `step`), in work
         order, without waiting: the shards hold the step's update in place, the gather fills in
-        the other ranks' rows. Run it right after `step` (outside a captured update: the gather
+        the other ranks' rows. Run right after `update` (outside a captured update: the gather
         is waited outside it too)."""
         for name in self.deferred:
             entry = self.entries[name]
@@ -543,6 +600,12 @@ class OptimizerManager:
                 self._in_flight.append((name, work))
                 if work is not None:  # the bank is not read before `wait_gathers` (checked on CPU)
                     self._gathers_writing.append(streams.collective_in_flight(entry.view, f"the deferred all-gather of {name}"))
+
+    def _refuse_gathers_in_flight(self, where: str, step: int) -> None:
+        if self._in_flight:
+            raise RuntimeError(f"OptimizerManager.{where}({step}): the deferred gathers of "
+                               f"{[n for n, _ in self._in_flight]} were never waited (wait_gathers() "
+                               f"before the weights are read or updated again)")
 
     def wait_gathers(self) -> list[str]:
         """Wait for the launched deferred gathers (on CUDA the current stream waits, not the
@@ -557,10 +620,6 @@ class OptimizerManager:
         self._gathers_writing.clear()
         return names
 
-    @property
-    def gathers_in_flight(self) -> bool:
-        return bool(self._in_flight)
-
     def _clear_grad(self, param: Tensor) -> None:
         if not self.keep_grads:
             param.grad = None
@@ -573,8 +632,8 @@ class OptimizerManager:
         rest = [n for n, e in self.entries.items() if e.shard is not None and n not in order]
         return named + rest
 
-    def _adam(self, entry: Entry, p: Tensor, grad: Tensor, step: int) -> None:
-        betas, _, _ = self.adam_hparams(entry, step)  # constant within a phase; lr reaches it as step_size
+    def _adam(self, entry: Entry, p: Tensor, grad: Tensor, s: StepSettings) -> None:
+        betas, _, _ = self.adam_hparams(entry, s)  # constant within a phase; lr reaches it as step_size
         adam_apply(p, grad, entry.state, betas, entry.scalars["step_size"], entry.scalars["decay"],
                    self.cfg.adam_eps)
 
@@ -707,13 +766,14 @@ class NgramRowOptimizer:
         self.exchange.prepare_push([p for p, _ in self._held])
 
     @torch.no_grad()
-    def step(self, step: int) -> bool:
+    def step(self, step: int | StepSettings) -> bool:
         """Apply the held gradients if `step` is a table event (a collective then, on every rank);
-        returns whether it was."""
-        if not self.manager.schedule.is_table_event(step):
+        returns whether it was. (OptimizerManager.step calls it last.)"""
+        s = self.manager.settings(step)
+        if not s.table_event:
             return False
         rows, sums = self.exchange.push(self._held, self.shard.size(1))     # (M,), (M, D)
-        new_rows = row_sparse_adam_event(self.shard, self.state, rows, sums, **self.manager.ngram_event_hparams(step),
+        new_rows = row_sparse_adam_event(self.shard, self.state, rows, sums, **self.manager.ngram_event_hparams(s),
                                          host_rows=self.exchange.pushed_rows)
         self._held.clear()
         self.version += 1

@@ -37,21 +37,24 @@ class StageSpan:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """Everything the schedule sets at the top of one training step (track_1_short/schedule.py advance_schedule)."""
+    """Everything the schedule sets at the top of one training step (track_1_short/schedule.py
+    advance_schedule), computed once: the model's geometry and loss weights (training.Run), and the
+    optimizer's lr, betas and cadences (optim/manager.py OptimizerManager.step)."""
     step: int
     stage: int
-    lr_mult: float
-    rail_beta: float
+    lr_mult: float         # the optimizers' lr multiplier (stage lr_mul, then the cooldown)
+    rail_beta: float       # ANVIL's momentum (and the fast rail's beta before the engage step)
+    rails_engaged: bool    # the fast rail's fixed beta and blend from here
     batch_tokens: int
     doc_cap: int
-    max_seq_len: int
     ws_short: int
     ws_long: int
     mtp_weights: tuple[float, ...]
     prefix_weight: float
     softmax_p: int
-    adam_step: bool
-    table_event: bool
+    adam_step: bool        # the Adam parameters update (odd steps)
+    table_event: bool      # the n-gram table and value embeddings update
+    table_period4: bool    # their events every 4th step (squared betas, doubled decay)
 
     @property
     def geometry(self) -> tuple:
@@ -220,11 +223,12 @@ class TrainingSchedule:
         """All per-step values at once, for the training loop."""
         ws_short, ws_long = self.windows(step)
         return StepSettings(step=step, stage=self.span(step).index, lr_mult=self.lr_mult(step),
-                            rail_beta=self.rail_beta(step), batch_tokens=self.batch_tokens(step),
-                            doc_cap=self.doc_cap(step), max_seq_len=self.max_seq_len(step),
+                            rail_beta=self.rail_beta(step), rails_engaged=self.rails_engaged(step),
+                            batch_tokens=self.batch_tokens(step), doc_cap=self.doc_cap(step),
                             ws_short=ws_short, ws_long=ws_long, mtp_weights=self.mtp_weights(step),
                             prefix_weight=self.prefix_weight(step), softmax_p=self.softmax_p(step),
-                            adam_step=self.is_adam_step(step), table_event=self.is_table_event(step))
+                            adam_step=self.is_adam_step(step), table_event=self.is_table_event(step),
+                            table_period4=self.table_period4(step))
 
 
 class StepWeights:

@@ -66,11 +66,6 @@ class Backend:
     deferred_gathers: bool = True  # bank all-gathers waited at the next step's top
     row_prefetch: bool = True  # the next step's n-gram rows pulled during this step
 
-    @property
-    def is_fast_path(self) -> bool:
-        return (self.device == "cuda" and self.triton and self.fp8 and self.attention == "fa3" and self.compile
-                and self.cuda_graphs)
-
 
 # Every SPEEDRUN_* variable the project reads; any other name with the prefix is refused as a typo.
 BACKEND_VARIABLES = ("SPEEDRUN_TRITON", "SPEEDRUN_ATTENTION", "SPEEDRUN_COMPILE",

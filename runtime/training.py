@@ -91,11 +91,6 @@ class Setup:
 # ----------------------------------------------------------------------------------------------------
 
 
-def run_eagerly(region: str, key, fn):
-    """`RegionGraphs.run`'s signature without CUDA graphs: just the call."""
-    return fn()
-
-
 @dataclass
 class RowPrefetch:
     """Row pulls launched a step ahead (`Run.prefetch`): one per batch, valid while the n-gram
@@ -180,7 +175,8 @@ class Run:
         # (perf/cuda_graphs/capture.py; on CPU its twin). tools/capture_contract.py swaps its checker in as region_runner.
         self.graphs = RegionGraphs.for_device(setup.device, lambda: run_state(self), strict=cfg.requires_fast_path) \
             if setup.backend.cuda_graphs else None
-        self.region_runner = self.graphs.run if self.graphs is not None else run_eagerly
+        # (without CUDA graphs, RegionGraphs.run's signature, just the call; it holds no reference to the run)
+        self.region_runner = self.graphs.run if self.graphs is not None else lambda region, key, fn: fn()
         self.step_position = self.position = "setup"  # where a collective timeout names this rank
         self.static_inputs: dict[tuple, torch.Tensor] = {}  # (name, shape, dtype) -> device buffer
         self.batch_ring = PinnedBatchRing(setup.device) if setup.backend.pinned_batches else None
@@ -306,74 +302,81 @@ class Run:
     def _train_step(self, step: int, batches, next_batches) -> torch.Tensor:
         self.step_position = self.position = f"training step {step}"
         self.flush()  # the previous update's deferred gathers and fp8 refresh, before the forward
-        s = self.schedule.settings(step)
+        s = self.schedule.settings(step)  # every per-step value, once: the model's and the optimizer's
         self.set_windows((s.ws_short, s.ws_long))
         mtp_weights, prefix_weight = self.step_weights.load(step)  # tensors: new values, same graph
-        total = torch.zeros((), device=self.setup.device)
         prefetched = self.take_prefetched(batches)
-        for i, host_batch in enumerate(batches):
-            sampler = self.samplers[i] if self.samplers else None
-            pulled = prefetched[i] if prefetched is not None else None
-            batch, plan, candidates = self.upload(host_batch, s.softmax_p, sampler, static=True,
-                                                  plan=pulled.plan if pulled is not None else None, lane=i)
-            rows = None  # without the n-gram table: no rows, no pull
-            if self.table is not None:
-                # the sink leaf: the pulled rows (an all_to_all with host-planned sizes, outside the
-                # captured region) expanded straight into this geometry's static leaf
-                table = self.table.rows
-                rows = self.static_buffer("ngram_rows", (plan.inverse_dev.numel(), table.size(1)), table.dtype,
-                                          requires_grad=True)
-                (pulled or self.exchange.start_pull(table, plan)).finish(out=rows)
-            if i == len(batches) - 1:  # this step's own pulls are done: the next step's go now
+        total = torch.zeros((), device=self.setup.device)
+        for lane, host_batch in enumerate(batches):  # one batch per virtual rank this process plays
+            batch, plan, rows, candidates = self.step_inputs(s, lane, host_batch, prefetched)
+            if lane == len(batches) - 1:  # this step's own pulls are done: the next step's go now
                 self.prefetch(step, next_batches)
             args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp_weights,
                             prefix_weight=prefix_weight, candidates=candidates, training=True,
                             max_seq_len=batch.max_seq_len)
-
-            def forward_backward(batch=batch, rows=rows, args=args):
-                loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
-                # each (virtual) rank's gradient of its own summed loss; the optimizer's reduce takes the
-                # mean over the 8 ranks (over processes, then over this process's virtual ranks)
-                loss.backward()
-                return loss.detach()
-
             if self.lanes is not None:
-                self.lanes.load(i)  # virtual rank i's own gradients and fp8 scales
-            loss = self.run_region("forward_backward", s.geometry, forward_backward)
-            if self.ngram_opt is not None:
-                self.ngram_opt.accumulate(plan, rows.grad)  # merged per distinct row: a per-batch size, outside
-                rows.grad.zero_()  # the next backward accumulates into it (x + 0 is x, bitwise)
-            if self.lanes is not None:
-                self.manager.fold_local(step)  # what rank i does to its gradients before the reduce
-                self.lanes.save(i)
-            total += loss
+                self.lanes.load(lane)  # virtual rank `lane`'s own gradients and fp8 scales
+            total += self.run_region("forward_backward", s.geometry, lambda: self.forward_backward(batch, rows, args))
+            self.keep_gradients(s, lane, plan, rows)
         if self.prefetched is not None:
             # the prefetch's exchange is done before the optimizer graph, whose captured
             # collectives would otherwise share the communicator with it unordered (on CUDA: a
             # stream wait; its rows stay unexpanded until the next step)
             self.prefetched.wait()
-        # the host half of the update, outside the region: this step's lr, betas, bias corrections
-        # into device scalars (in place)
-        self.manager.load_scalars(step)
-        consumed = None
-        if self.lanes is not None:  # the virtual ranks' gradients summed in rank order, as their reduce adds
-            consumed = self.manager.consumed(step)
-            self.lanes.reduce(self.manager.reduced(step))
-        self.run_region("optimizer", self.manager.phase(step), lambda: self.manager.step(step, untie=False))
-        if consumed is not None:
-            self.lanes.clear(consumed)
-        # the banks' all-gathers (SPEEDRUN_DEFERRED_GATHERS) and the fp8 refresh after them wait for
-        # `flush`, at the next step's top; the refresh count is taken now (host state, in step order)
-        self.manager.launch_deferred_gathers(step)
-        if self.model.mlp_fp8 is not None:
+        # every optimizer, in its own order: scalars, the captured update, the deferred gathers'
+        # launch, the untie, the n-gram table event (optim/manager.py OptimizerManager.step)
+        table_changed = self.manager.step(s, self.run_region, self.lanes, self.ngram_opt)
+        if self.model.mlp_fp8 is not None:  # the refresh runs at `flush`; its count is host state, in step order
             self.fp8_refresh_pending = self.model.next_fp8_refresh_exact()
-        if self.manager.untie_due(step):  # once per run: embed's moments from lm_head's, host state too
-            self.manager.untie()
-        if self.ngram_opt is not None and self.ngram_opt.step(step) and self.prefetched is not None:
-            for pull in self.prefetched.pulls:  # launched before the event: its rewritten rows patched in
-                self.ngram_opt.patch_pull(pull)
-            self.prefetched.version = self.ngram_opt.version
+        if table_changed and self.prefetched is not None:
+            self.patch_prefetched()
         return total
+
+    def step_inputs(self, s, lane: int, host_batch, prefetched):
+        """Batch `lane` of the step in the static buffers a captured step reads: (batch, its row
+        plan, the n-gram rows pulled into the geometry's sink leaf, the sampled-softmax candidates);
+        rows and plan are None without the n-gram table. The pull was started a step ahead when
+        `prefetch` could; else it starts here."""
+        sampler = self.samplers[lane] if self.samplers else None
+        pulled = prefetched[lane] if prefetched is not None else None
+        batch, plan, candidates = self.upload(host_batch, s.softmax_p, sampler, static=True,
+                                              plan=pulled.plan if pulled is not None else None, lane=lane)
+        rows = None  # without the n-gram table: no rows, no pull
+        if self.table is not None:
+            # the sink leaf: the pulled rows (an all_to_all with host-planned sizes, outside the
+            # captured region) expanded straight into this geometry's static leaf
+            table = self.table.rows
+            rows = self.static_buffer("ngram_rows", (plan.inverse_dev.numel(), table.size(1)), table.dtype,
+                                      requires_grad=True)
+            (pulled or self.exchange.start_pull(table, plan)).finish(out=rows)
+        return batch, plan, rows, candidates
+
+    def forward_backward(self, batch, rows, args: StepArgs) -> torch.Tensor:
+        """The captured region of a batch: the loss and its backward. Each (virtual) rank's gradient
+        of its own summed loss; the optimizer's reduce takes the mean over the 8 ranks (over
+        processes, then over this process's virtual ranks)."""
+        loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
+        loss.backward()
+        return loss.detach()
+
+    def keep_gradients(self, s, lane: int, plan, rows) -> None:
+        """What batch `lane`'s backward leaves, put away before the next batch's: the n-gram sink
+        gradient merged per distinct row (a per-batch size: outside the region) and the sink zeroed
+        for the next backward (x + 0 is x, bitwise); with virtual ranks, what rank `lane` does to its
+        gradients before the reduce (OptimizerManager.fold_local), then its lane saved."""
+        if self.ngram_opt is not None:
+            self.ngram_opt.accumulate(plan, rows.grad)
+            rows.grad.zero_()
+        if self.lanes is not None:
+            self.manager.fold_local(s)
+            self.lanes.save(lane)
+
+    def patch_prefetched(self) -> None:
+        """After a table event on one process: the pulls launched before it get the rows it rewrote
+        (NgramRowOptimizer.patch_pull), and stay valid."""
+        for pull in self.prefetched.pulls:
+            self.ngram_opt.patch_pull(pull)
+        self.prefetched.version = self.ngram_opt.version
 
     def prefetch(self, step: int, next_batches) -> None:
         """Plan the next step's row pulls and launch them (SPEEDRUN_ROW_PREFETCH). Across a table

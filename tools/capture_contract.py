@@ -38,7 +38,7 @@ perf/cuda_graphs/capture.py captures and replays them):
   accumulating into the persistent `.grad`s. The row plan, the row pull (an all_to_all with host-
   planned sizes) and the sink gradient's per-row merge (its size is the batch's distinct rows) stay
   outside, before and after it.
-* "optimizer", keyed by `OptimizerManager.phase(step)`: `manager.step(step, untie=False)`,
+* "optimizer", keyed by `OptimizerManager.phase(step)`: `manager.update(step)`,
   reading the per-step hyperparameters from device scalars that `manager.load_scalars(step)`
   fills outside it. The banks' deferred all-gathers (SPEEDRUN_DEFERRED_GATHERS) are launched
   after it and waited at the next `Run.flush`, outside any region: a collective captured in a
@@ -362,7 +362,8 @@ def check_run(run, steps: int, start: int = 0, checker: ContractChecker | None =
         tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
         if loader is not None:
             return loader.next_batches(tokens, schedule.doc_cap(step))
-        return [dummy_batch(tokens, schedule.doc_cap(step), seed=1000 * step + r, **run.hash_sizes)
+        return [dummy_batch(tokens, schedule.doc_cap(step), seed=1000 * step + r,
+                            virtual_seq_cap=cfg.schedule.virtual_seq_cap, **run.hash_sizes)
                 for r in run.setup.virtual_ranks]
 
     try:
@@ -425,7 +426,8 @@ def main(argv=None) -> int:
         loader = None
         if args.data_path is not None:
             train_glob, _ = shard_globs(cfg)
-            loader = TrainLoader(train_glob, run.setup.virtual_ranks, run.cfg.virtual_world_size, **run.hash_sizes)
+            loader = TrainLoader(train_glob, run.setup.virtual_ranks, run.cfg.virtual_world_size, **run.hash_sizes,
+                                 virtual_seq_cap=run.cfg.schedule.virtual_seq_cap)
         try:
             checker = check_run(run, args.steps, loader=loader)
         finally:

@@ -239,7 +239,7 @@ def capture_check_cost(rank: RankOnMeta, horizon: int | None = None) -> CaptureC
                         out = loss.detach()
                     elif region == "optimizer":
                         with written_by_collectives(recorder), recorder:
-                            out = manager.step(first[slot], untie=False)
+                            out = manager.update(first[slot])
                     else:   # fp8_refresh, keyed by its exact mode
                         with use_backend(**PORTABLE_BACKEND), recorder:
                             out = model.refresh_fp8(key)

@@ -107,7 +107,7 @@ def phase_costs(rank) -> list[PhaseCost]:
             p.grad = torch.empty_like(p)  # on meta, as the parameters; the scalars load for the entries due
         manager.load_scalars(steps[0])
         with torch.device("meta"), counted_collectives(sent, rank.world_size), fused_kernels(counter), counter:
-            manager.step(steps[0], untie=False)
+            manager.update(steps[0])
             if manager.deferred:
                 manager.launch_deferred_gathers(steps[0])
                 manager.wait_gathers()

@@ -2,7 +2,7 @@
 the packed [W_qk; W_v] GEMM, and an epilogue doing the QK-norm, the rotary (paired heads and the
 partial key offset included) and the q/k/v split; the backward's norm/rotary gradient, V gradient and
 their e4m3 quantize in one kernel. Same math as model/attention.py's unfused path (perf/fp8.py
-`fp8_qkv`, then `normed_rotary_qk`), fewer launches and no fp32 [T, 2H, d] intermediates.
+`fp8_qkv`, then `normed_rotary_qk` below), fewer launches and no fp32 [T, 2H, d] intermediates.
 
     x8, x8ᵀ   = e4m3(x / s_x)                                       quantize_dual_*          1 launch
     qkv       = (x8 · W8ᵀ)·s_x·(s_w·sa0)  (torch._scaled_mm)        paired: two column GEMMs 1-2 GEMMs
@@ -15,6 +15,8 @@ layer, sa0 folded into the dequant scale, s_g = 1/448 static. The norm is per he
 eps = F.rms_norm's; rotary y = factor1·n + factor2·swap(n) with bf16 tables (model/rotary.py);
 paired layers rotate even heads at position 2t and odd heads at 2t+1 (the paired heads); the key offset gives
 key t the stationary dims (≥ rotary_dim) of key t−1's normed vector, key 0 keeping its own (the partial key offset).
+That math is written once, in plain PyTorch, as `normed_rotary_qk` here (perf sits below model, so the
+definition lives with its kernel): model/attention.py's unfused path calls it, and so does the twin.
 
 Launches per attention layer and training step, against record #360's `PackedFP8QKVFunction`:
 forward 1 quantize + 1 GEMM (2 on paired layers, so V is dense) + 1 epilogue, as upstream (which
@@ -25,10 +27,10 @@ per-forward weight quantize (upstream caches it per optimizer step) and the rota
 `Yarn.tables`; upstream caches them).
 
 Each piece has a portable twin (plain PyTorch): `quantize_dual_portable`, `qk_norm_rope_portable`,
-`qkv_rope_backward_portable`; the twins are op for op the unfused path and its autograd backward, so
-with the Triton kernels off the fused op is bitwise the unfused one (tests hold it). The public op,
-`fp8_qkv_rope`, picks the kernels or the twins on `perf.backend.current().triton`; the model calls it
-when `current().fused_qkv` (SPEEDRUN_FUSED_QKV) is on.
+`qkv_rope_backward_portable`; the forward twin is `normed_rotary_qk` and the unfused path's cast, the
+backward twin op for op its autograd backward, so with the Triton kernels off the fused op is bitwise
+the unfused one (tests hold it). The public op, `fp8_qkv_rope`, picks the kernels or the twins on
+`perf.backend.current().triton`; the model calls it when `current().fused_qkv` (SPEEDRUN_FUSED_QKV) is on.
 
 Tests: tests/perf/test_perf_kernels_qkv_rope.py (pytest tests/perf/test_perf_kernels_qkv_rope.py -q).
 """
@@ -57,15 +59,16 @@ def quantize_dual_portable(x: Tensor, x_s: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _swap_pairs(u: Tensor) -> Tensor:
-    """u with each adjacent pair of the last dim (2j, 2j+1) exchanged, as model/rotary.py `rotate` does."""
+    """u with each adjacent pair of the last dim (2j, 2j+1) exchanged."""
     return u.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
 
 
-def _rotate(u: Tensor, factor1: Tensor, factor2: Tensor) -> Tensor:
-    """model/rotary.py `rotate`, op for op. The rotation is defined there; a kernel module imports no
-    model file (docs/design.md, "Import rules"), so the twin restates its two ops and the parity test
-    (tests/perf/test_perf_kernels_qkv_rope.py, against model/attention.py normed_rotary_qk) holds it to
-    the definition bit for bit."""
+def rotate(u: Tensor, factor1: Tensor, factor2: Tensor) -> Tensor:
+    """y = factor1·u + factor2·swap(u) in fp32, swap exchanging each adjacent pair (2j, 2j+1).
+
+    u [T, heads, d] fp32; factors (model/rotary.py `Yarn.tables`, bf16) broadcastable to it. Per pair
+    (a, b) at angle θ: y_2j = cos θ·a + sin θ·b, y_2j+1 = cos θ·b − sin θ·a.
+    """
     return factor1.float() * u + factor2.float() * _swap_pairs(u)
 
 
@@ -80,20 +83,38 @@ def _head_factors(factor1: Tensor, factor2: Tensor, num_heads: int, paired: bool
     return factor1[:, None], factor2[:, None]  # (T, 1, d)
 
 
-def qk_norm_rope_portable(qk: Tensor, factor1: Tensor, factor2: Tensor, num_heads: int, rotary_dim: int,
-                          paired: bool, key_offset: bool) -> tuple[Tensor, Tensor]:
-    """(q, k) [T, H, d] in qk's dtype from qk [T, 2H, d] (Q heads then K heads, any row stride).
+def normed_rotary_qk(qk: Tensor, factor1: Tensor, factor2: Tensor, rotary_dim: int, paired: bool,
+                     key_offset: bool) -> tuple[Tensor, Tensor]:
+    """QK-norm, rotary and the partial key offset of record #360 (track_1_short/model/attention.py):
+    fp32 (q, k) [T, H, d] from qk [T, 2H, d] (Q heads then K heads, any dtype and row stride).
 
-    Op for op model/attention.py `normed_rotary_qk` followed by the cast to the projection dtype.
+        n   = u·rsqrt(mean(u²) + eps)          u = fp32(qk), per head, no weight, eps = F.rms_norm's
+        y   = factor1·n + factor2·swap(n)       `rotate`, bf16 tables [T, d] (paired: [T, 2d]) in fp32
+        q, k = y[:, :H], y[:, H:];  with key_offset: k[t, :, rotary_dim:] = k[t−1, :, rotary_dim:], t ≥ 1
+
+    Paired layers rotate even logical heads at position 2t, odd heads at 2t+1. The one definition of
+    this math: the model's unfused path (model/attention.py) and the kernel's portable twin
+    (`qk_norm_rope_portable`) both call it; `_qk_norm_rope_kernel` implements it and
+    tests/perf/test_perf_kernels_qkv_rope.py holds the kernel to it.
     """
-    H = num_heads
+    H = qk.shape[1] // 2
     u = qk.float()
     n = u * torch.rsqrt(u.pow(2).mean(dim=-1, keepdim=True) + RMS_NORM_EPS)  # (T, 2H, d) fp32
-    f1, f2 = _head_factors(factor1, factor2, H, paired)
-    y = _rotate(n, f1, f2)
+    f1, f2 = _head_factors(factor1, factor2, H, paired)  # (T, 2H, d) or (T, 1, d)
+    y = rotate(n, f1, f2)  # (T, 2H, d) fp32
     q, k = y[:, :H], y[:, H:]
-    if key_offset:  # stationary dims of key t from key t−1 (across documents too); key 0 keeps its own
+    if key_offset:  # stationary dims of key t come from key t−1 (across documents too); key 0 keeps its own
         k = torch.cat([k[:, :, :rotary_dim], torch.cat([k[:1, :, rotary_dim:], k[:-1, :, rotary_dim:]])], dim=-1)
+    return q, k
+
+
+def qk_norm_rope_portable(qk: Tensor, factor1: Tensor, factor2: Tensor, num_heads: int, rotary_dim: int,
+                          paired: bool, key_offset: bool) -> tuple[Tensor, Tensor]:
+    """(q, k) [T, H, d] in qk's dtype from qk [T, 2H, d]: `normed_rotary_qk`, then the cast to the
+    projection dtype (the unfused path's cast), so the fused path is bitwise the unfused one."""
+    if qk.shape[1] != 2 * num_heads:
+        raise ValueError(f"qk_norm_rope: qk must be [T, 2·{num_heads}, d], got {tuple(qk.shape)}")
+    q, k = normed_rotary_qk(qk, factor1, factor2, rotary_dim, paired, key_offset)  # (T, H, d) fp32
     return q.to(qk.dtype), k.to(qk.dtype)
 
 
@@ -176,8 +197,8 @@ def _qk_norm_rope_kernel(
 
     n = u·rsqrt(Σu²/d + eps), y = factor1·n + factor2·swap(n) in fp32, stored in OUT_DTYPE; with
     KEY_OFFSET, dims ≥ ROTARY_DIM of key t are key t−1's n (the tables there are 1 and 0: ω = 0), key 0
-    keeps its own. Portable twin: `qk_norm_rope_portable`. Parity: Σu² runs in another order than
-    torch's mean, so r can differ by an fp32 ulp and an output land one OUT_DTYPE ulp off.
+    keeps its own: `normed_rotary_qk`. Portable twin: `qk_norm_rope_portable`. Parity: Σu² runs in
+    another order than torch's mean, so r can differ by an fp32 ulp and an output land one OUT_DTYPE ulp off.
     """
     h = tl.program_id(1)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -429,7 +450,7 @@ def fp8_qkv_rope(x: Tensor, w_qk: Tensor, w_v: Tensor, sa0: Tensor, factor1: Ten
 
     w_qk [2H·d, D] (Q heads then K heads), w_v [H·d_v, D], sa0 0-D, factor1/factor2 the layer's
     rotary rows for T tokens (`Yarn.tables(T)`; [T, 2d] when paired). Equal to perf/fp8.py
-    `fp8_qkv` followed by model/attention.py `normed_rotary_qk` and the cast to x's dtype.
+    `fp8_qkv` followed by `normed_rotary_qk` and the cast to x's dtype.
     """
     if x.dim() != 2 or sa0.dim() != 0:
         raise ValueError(f"fp8_qkv_rope: x must be [T, D] and sa0 0-D, got {tuple(x.shape)} and {tuple(sa0.shape)}")

@@ -1,11 +1,15 @@
-"""model/attention.py and model/rotary.py: o_gain, paired rotary, key offset, YaRN constants."""
+"""model/attention.py and model/rotary.py: o_gain, paired rotary, key offset, YaRN constants.
+
+The QK-norm + rotary the attention runs is perf/kernels/qkv_rope.py `normed_rotary_qk` (written once,
+below the model); these tests hold it, with the model's tables, to the record's semantics."""
 import math
 
 import pytest
 import torch
 
-from model.attention import AttnArgs, CausalSelfAttention, normed_rotary_qk
-from model.rotary import Yarn, rotate
+from model.attention import AttnArgs, CausalSelfAttention
+from model.rotary import Yarn
+from perf.kernels.qkv_rope import normed_rotary_qk, rotate
 from tests.recipe import pin, recipe
 
 T, D, H = 32, 48, 6
@@ -70,8 +74,9 @@ def test_key_offset_takes_stationary_dims_from_the_previous_token():
     gen = torch.Generator().manual_seed(1)
     qk = torch.randn(T, 2 * H, 8, generator=gen) * 3
     yarn = Yarn(8, 4, 0.085)
-    q, k = normed_rotary_qk(qk, yarn, paired=False, key_offset=True)
-    q0, k0 = normed_rotary_qk(qk, yarn, paired=False, key_offset=False)
+    f1, f2 = yarn.tables(T)
+    q, k = normed_rotary_qk(qk, f1, f2, yarn.rotary_dim, paired=False, key_offset=True)
+    q0, k0 = normed_rotary_qk(qk, f1, f2, yarn.rotary_dim, paired=False, key_offset=False)
     assert torch.equal(q, q0) and torch.equal(k[:, :, :4], k0[:, :, :4])
     normed_k = qk[:, H:] / qk[:, H:].pow(2).mean(-1, keepdim=True).add(1.1920928955078125e-7).sqrt()
     torch.testing.assert_close(k[1:, :, 4:], normed_k[:-1, :, 4:], rtol=1e-6, atol=1e-6)
@@ -104,7 +109,7 @@ def test_paired_layers_rotate_logical_head_h_at_position_2t_plus_h_mod_2():
     gen = torch.Generator().manual_seed(2)
     T_, dq = 5, 8
     qk = torch.randn(T_, 2 * H, dq, generator=gen)
-    q, k = normed_rotary_qk(qk, Yarn(dq, dq, 0.13, paired=True), paired=True, key_offset=False)
+    q, k = normed_rotary_qk(qk, *Yarn(dq, dq, 0.13, paired=True).tables(T_), dq, paired=True, key_offset=False)
     f1, f2 = Yarn(dq, dq, 0.13).tables(2 * T_)  # one row per interleaved position
     normed = qk / qk.pow(2).mean(-1, keepdim=True).add(1.1920928955078125e-7).sqrt()
     for t in range(T_):

@@ -42,7 +42,7 @@ def _step_inputs(schedule: TrainingSchedule, step: int, dim: int):
         prefix = torch.tensor(s.prefix_weight) if s.prefix_weight else None
         candidates = torch.arange(s.softmax_p) if s.softmax_p else None
     args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp, prefix_weight=prefix,
-                    candidates=candidates, training=True, max_seq_len=s.max_seq_len)
+                    candidates=candidates, training=True, max_seq_len=schedule.max_seq_len(step))
     return inputs, targets, cu_seqlens, rows, sign_rows, args
 
 

@@ -165,7 +165,7 @@ def test_tied_lm_head_gets_embed_gradient():
 def test_frozen_and_cproj_multipliers():
     model = StandInParams.small()
     mgr = OptimizerManager(model.named_parameters(), RECORD, frozen_matrices={"mlp_bank": {2, 3}})
-    lr = mgr.entries["mlp_bank"].matrix_lr.flatten().tolist()
+    lr = mgr.entries["mlp_bank"].bank_eff_lr(1.0).flatten().tolist()
     shape = math.sqrt(48 / 32)
     assert lr == pytest.approx([shape, 2 * shape, 0, 0, shape, 2 * shape, shape, 2 * shape])
     frozen = model.mlp_bank.detach()[1].clone()
@@ -174,7 +174,7 @@ def test_frozen_and_cproj_multipliers():
     assert torch.equal(model.mlp_bank[1], frozen)
     # the model can mark them on the bank itself (record: mlp_bank.frozen_matrices = {14, 15})
     model.mlp_bank.frozen_matrices = frozenset({0})
-    lr = OptimizerManager(model.named_parameters(), RECORD).entries["mlp_bank"].matrix_lr.flatten()
+    lr = OptimizerManager(model.named_parameters(), RECORD).entries["mlp_bank"].bank_eff_lr(1.0).flatten()
     assert lr[0] == 0 and lr[2] > 0
 
 

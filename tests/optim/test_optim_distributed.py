@@ -46,7 +46,7 @@ WORKER = textwrap.dedent('''
     ngram = NgramRowOptimizer(table[rank * rows:(rank + 1) * rows].clone(), rows, mgr, exchange)
     refused = None
     for step in range(sched.total_steps):
-        if step == 1 and mgr.gathers_in_flight:  # a step before the wait is refused, state untouched
+        if step == 1 and mgr._in_flight:  # a step before the wait is refused, state untouched
             try:
                 mgr.step(step)
             except RuntimeError as e:
@@ -56,9 +56,7 @@ WORKER = textwrap.dedent('''
         g = torch.Generator().manual_seed(1000 + step)
         ngram.accumulate(exchange.plan(torch.randint(0, 64, (24,), generator=g, dtype=torch.int32)),
                          torch.randn(24, 32, generator=g).bfloat16())
-        mgr.step(step)
-        mgr.launch_deferred_gathers(step)
-        ngram.step(step)
+        mgr.step(step, rows=ngram)           # the update, the deferred gathers' launch, the table event
         tails.tick(step)                     # this rank's rows are final while the gathers fly
     tails.ship()                             # waits for the last step's gathers first
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}

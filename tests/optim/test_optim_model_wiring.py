@@ -120,7 +120,7 @@ def test_frozen_mlp_slot_never_moves():
     hidden, dim = model.mlp_bank.shape[-2:]
     shape_mul = (hidden / dim) ** 0.5                    # max(1, rows / cols)^0.5
     want = [0.0 if i in (14, 15) else shape_mul * (2 if i % 2 else 1) for i in range(24)]  # c_proj x2
-    assert mgr.entries["mlp_bank"].matrix_lr.flatten().tolist() == pytest.approx(want)
+    assert mgr.entries["mlp_bank"].bank_eff_lr(1.0).flatten().tolist() == pytest.approx(want)
     before = model.mlp_bank.detach().clone()
     assert before[7, 0].abs().sum() > 0
     g = torch.Generator().manual_seed(2)

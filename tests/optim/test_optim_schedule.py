@@ -99,9 +99,11 @@ def test_windows_caps_batches(record, step, windows, doc_cap, max_seq, batch):
 @recipe
 def test_settings_bundle(record):
     s = record.settings(967)   # 967 = 3 mod 4: a table event
-    assert (s.stage, s.softmax_p, s.ws_short, s.ws_long, s.doc_cap, s.max_seq_len) == (2, 24576, 5, 11, 3072, 2560)
+    assert (s.stage, s.softmax_p, s.ws_short, s.ws_long, s.doc_cap, record.max_seq_len(967)) == (2, 24576, 5, 11, 3072, 2560)
     assert s.adam_step and s.table_event and s.mtp_weights == (1.0,) and s.prefix_weight == 0.0
     assert s.lr_mult == record.lr_mult(967) and s.rail_beta == 0.93 and s.batch_tokens == 393216
+    assert s.table_period4 and s.rails_engaged  # 967 >= 336 (every 4th step) and >= 514 (rails blended)
+    assert not record.settings(335).table_period4 and not record.settings(513).rails_engaged
 
 
 @recipe

@@ -15,7 +15,7 @@ and off. Tolerances (why):
 import pytest
 import torch
 
-from model.attention import AttnArgs, CausalSelfAttention, normed_rotary_qk
+from model.attention import AttnArgs, CausalSelfAttention
 from model.rotary import Yarn
 from perf.kernels import qkv_rope as qr
 from perf.backend import use_backend
@@ -85,15 +85,16 @@ def test_fused_portable_path_is_bitwise_the_unfused_path(case, dtype):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_portable_twins_are_the_model_definition_and_its_autograd(case):
-    """The forward twin against model/attention.py normed_rotary_qk; the backward twin against autograd
-    through it, then the unfused path's quantize (perf/fp8.py Fp8QKVFunction.backward)."""
+    """The forward twin against `normed_rotary_qk` (the one definition, which the model's unfused path
+    runs); the backward twin against autograd through it, then the unfused path's quantize (perf/fp8.py
+    Fp8QKVFunction.backward)."""
     T, H, d, dv, paired, key_offset, rotary_dim = CASES[case]
     qk, gen = _qk(T, H, d, dv, torch.bfloat16, 1)
     yarn = _yarn(d, rotary_dim, paired)
     f1, f2 = yarn.tables(T)
     q, k = qr.qk_norm_rope_portable(qk, f1, f2, H, rotary_dim, paired, key_offset)
     leaf = qk.detach().clone().requires_grad_()
-    q_ref, k_ref = (t.to(qk.dtype) for t in normed_rotary_qk(leaf, yarn, paired, key_offset))
+    q_ref, k_ref = (t.to(qk.dtype) for t in qr.normed_rotary_qk(leaf, f1, f2, rotary_dim, paired, key_offset))
     assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
     gq, gk, gv = ((0.01 * torch.randn(T, H, w, generator=gen)).bfloat16() for w in (d, d, dv))
     g_s = torch.tensor(QKV_GRAD_SCALE)

@@ -263,7 +263,7 @@ WORKER = textwrap.dedent('''
                     pull.wait()
                 ngram.accumulate(plan, torch.randn(24, 32, generator=g).bfloat16())
                 mgr.load_scalars(step)
-                run("optimizer", mgr.phase(step), lambda: mgr.step(step, untie=False))
+                run("optimizer", mgr.phase(step), lambda: mgr.update(step))
                 pull.wait()
                 mgr.launch_deferred_gathers(step)
                 ngram.step(step)

@@ -57,7 +57,7 @@ def toy_steps(model, manager, checker, steps, forward_hook=None, optimizer_hook=
         with checker.region("optimizer", manager.phase(step)):
             if optimizer_hook is not None:
                 optimizer_hook(step)
-            manager.step(step)
+            manager.update(step)
 
 
 def kinds(checker):
@@ -236,15 +236,15 @@ def test_violations_injected_into_the_smoke_step_are_named(smoke, monkeypatch):
         run.model.resid_lambdas.data = run.model.resid_lambdas.data.clone()
         return loss
 
-    step = run.manager.step
+    update = run.manager.update  # the captured part of the optimizer's step
 
-    def bad_step(s, **kwargs):
+    def bad_update(s):
         st = run.manager.entries["scalars"].state
         st.exp_avg_sq = torch.zeros_like(st.exp_avg_sq)
-        step(s, **kwargs)
+        update(s)
 
     monkeypatch.setattr(run, "forward", bad_forward)
-    monkeypatch.setattr(run.manager, "step", bad_step)
+    monkeypatch.setattr(run.manager, "update", bad_update)
     contract.check_run(run, 1, start=3, checker=checker)
     text, code = contract.summary(checker, 4, "smoke")
     assert code == 1 and "FAIL" in text
