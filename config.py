@@ -5,7 +5,7 @@ command line of train_gpt.py overrides individual fields.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 
 
 class ConfigError(ValueError):
@@ -161,6 +161,25 @@ class OptimConfig:
     ngram_wd_mul: float = 5.0               # record #360; 10 once events are every 4th step
 
 
+@dataclass(frozen=True)
+class ParamRule:
+    """How one parameter is optimized (its row of the optimizer table, optim/adam.py). Plain data,
+    here at the bottom layer so that a feature's declaration (FEATURES below) carries the rows of
+    the parameters it adds.
+
+    optim:   "bank" (ANVIL or NorMuon, per OptimConfig) or "adam"
+    comms:   "sharded" (reduce-scatter, update 1/W, all-gather) or "replicated" (all-reduce)
+    cadence: "every" (banks), "adam" (odd steps, two steps of summed gradient) or "table" (the
+             n-gram table's update events, gradient summed over the cycle: value_embeds)
+    """
+    optim: str
+    comms: str
+    cadence: str
+    betas: tuple[float, float] | None = None
+    lr_mul: float = 1.0
+    wd_mul: float = 1.0
+
+
 def _smoke_schedule() -> ScheduleConfig:
     """70 steps on CPU that cross every stage boundary, the cadence switch, the rail engage step,
     the split and the tail windows. Batches are tiny; the stage structure is the record's."""
@@ -191,70 +210,153 @@ OPTIM_PRESETS = {"record": OptimConfig(), "dev": OptimConfig(),
 
 
 # ================================================================================================
-# Feature switches (ablations): each removes a record feature's cost, not only its effect.
+# Feature switches (ablations): each removes a record feature's cost, not only its effect. A switch
+# is one `Feature` in FEATURES (docs/features.md, "Adding a switch").
 # ================================================================================================
 
 
 @dataclass(frozen=True)
-class FeatureConfig:
-    """Which of the record's features a run has: `--set features.ngram=false` and so on. Every
-    default is the record (all on). A switched-off feature costs nothing: no tensor allocated, no
-    kernel launched, no collective, no host work (docs/features.md lists each with #360's
-    measured gain); `residual_fusions` off runs the plain expressions in their place. The other switches that price a feature exist elsewhere:
-    `--set optim.bank_optimizer=normuon` (ANVIL -> record #89's NorMuon), SPEEDRUN_CUDA_GRAPHS=0
-    and SPEEDRUN_COMPILE=0 (perf/backend.py: execution paths, not math)."""
-    # PR #360 ("New Embedding Table"): the 84.6M-row hashed bigram + trigram table, its
-    # sign pool, row exchange and row-sparse Adam, and its injections (layer 0, 1, 4, 5, 9, MUDD
-    # mu11, the gates' n-gram lanes). Off: none of them. (Record #89 had a bigram-only table.)
-    ngram: bool = True
-    # in record #89's tree (introduced before it; 4 planes on layers 1, 2, 8, 10 since PR #360):
-    # value_embeds and ve_gate_bank, their gather and scatter-add, optimizer state and tail average,
-    # the planes added to V and read by the post-loop MUDD mix. Off: none of them.
-    value_embeds: bool = True
+class Feature:
+    """One switch, declared once: `features.<name>`, its default, the parameters it adds (name ->
+    optimizer row, in the model's registration order), what it removes when off and its docs row.
+    From FEATURES below come FeatureConfig's fields, the log's features line (features_line), the
+    optimizer table's rows for these parameters (optim/adam.py), the parameters a model without the
+    feature lacks (switched_off_parameters) and docs/features.md's table (`python -m tools.features_doc`).
+    The model code that uses the switch reads `features.<name>`; nothing else names it."""
+    name: str                                        # the field: --set features.<name>=false
+    removes: str                                     # when off, short: the run log's features line
+    removes_in_full: str                             # when off, what is not built, launched, sent: docs row
+    introduced_by: str                               # docs row
+    gain: str                                        # docs row: record #360's measured gain (its ablation)
+    params: tuple[tuple[str, ParamRule], ...] = ()   # parameters it adds and their optimizer rows
+    default: bool = True                             # the record's value
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.params)
+
+
+# Every default is the record (all on). A switched-off feature costs nothing: no tensor allocated, no kernel
+# launched, no collective, no host work. The other switches that price a feature live elsewhere:
+# `--set optim.bank_optimizer=normuon` (ANVIL -> record #89's NorMuon), SPEEDRUN_CUDA_GRAPHS=0 and
+# SPEEDRUN_COMPILE=0 (perf/backend.py: execution paths, not math). The `removes` texts are ours; the
+# gains are record #360's own ablation (upstream PR #360: net seconds at 164 ms per millinat, each
+# feature removed from the record).
+FEATURES: tuple[Feature, ...] = (
+    # PR #360 ("New Embedding Table"): the 84.6M-row hashed bigram + trigram table, its sign pool, row
+    # exchange and row-sparse Adam, and its injections (layer 0, 1, 4, 5, 9, MUDD mu11, the gates'
+    # n-gram lanes). The table is not a parameter (its rows have their own optimizer): no params.
+    Feature(
+        "ngram",
+        removes="no n-gram table, row exchange, row optimizer, sign pool or injections",
+        removes_in_full="the hashed bigram + trigram table (84.6M rows; 15.13 GiB bf16 per rank on 8), its sign "
+                        "pool, the host hashing in the loader, the row plan, pull, prefetch and gradient push (94 GB "
+                        "sent per rank over the record schedule), the row-sparse Adam and its table events, the "
+                        "n-gram embedding and its injections (layers 0, 1, 4, 5, 9 and MUDD μ11)",
+        introduced_by='PR #360 ("New Embedding Table"; record #89 had a 377k-row bigram table)',
+        gain="+7.05 s"),
+    # in record #89's tree (introduced before it; 4 planes on layers 1, 2, 8, 10 since PR #360): the
+    # planes added to V and read by the post-loop MUDD mix, and their gates.
+    Feature(
+        "value_embeds",
+        removes="no value_embeds/ve_gate_bank, no value embeddings on V or in the MUDD mix",
+        removes_in_full="`value_embeds` [4·V, D] and `ve_gate_bank`, their gather and scatter-add, Adam state, fp16 "
+                        "cycle gradient, reduce-scatter and all-gather, tail average; V then gets only layer 10's "
+                        "MUDD mix, and the post-loop mix reads its 6 other sources",
+        introduced_by="before record #89 (4 planes on layers 1, 2, 8, 10 since PR #360)",
+        gain="not priced whole (its sparse exchange path: +1.13 s)",
+        # record #360 (track_1_short/training.py): value_embeds (0.75, 0.95), lr_mul 70 (record #89: 75),
+        # wd_mul 5, on the table's cadence (squared betas and 10 from table_period4_step: optim/adam.py
+        # value_embed_hparams); ve_gate_bank (0.9, 0.99)
+        params=(("value_embeds", ParamRule("adam", "sharded", "table", (0.75, 0.95), lr_mul=70.0, wd_mul=5.0)),
+                ("ve_gate_bank", ParamRule("adam", "replicated", "adam", (0.9, 0.99))))),
     # PR #360 ("Sampled-softmax"): the training CE over P candidates until stage 3.
-    # Off: the full softmax every step, no candidate sets built or uploaded.
-    sampled_softmax: bool = True
+    Feature(
+        "sampled_softmax",
+        removes="full softmax every step, no candidate sets",
+        removes_in_full="the candidate sets (host build, upload, the class remap): the full softmax every step",
+        introduced_by='PR #360 ("Sampled-softmax")',
+        gain="+8.40 s (the sampled-softmax CE stack)"),
     # in record #89's tree (introduced before it): the multi-token-prediction terms (weights on the
     # targets t+1, t+2). Off: one weight, (1.0,), every step: the next-token CE alone.
-    mtp: bool = True
-    # PR #337 (the prefix-token record #89 merged onto): the prefix-token auxiliary term. Off: no
-    # term, no prefix table (not built on the clock, no buffer in the model).
-    prefix_loss: bool = True
-    # in record #89's tree (fp8 lm_head and MLP forward; PR #342 the down projection), extended by
-    # PR #344 (packed fp8 QKV) and PR #360 (fp8 MLP backward, cached lm_head, e4m3 logits). Off:
-    # bf16 GEMMs everywhere, no fp8 weight caches. The one fp8 switch (any preset, recorded with the
-    # run); a device without fp8 GEMMs (below SM89: perf/backend.py reads it from the device) trains in
-    # bf16 whatever it says, and the record preset refuses such a device.
-    fp8: bool = True
-    # PR #360 (record #92's residual fusions): `scale`/`scale_add` with 0-D λ's at every residual site,
-    # the attention post-λ riding the O projection, the MLP post-λ folded into the fp8 down-projection
-    # scale, `rms_norm_with_head` for the value-embedding gates (perf/residual_fusion.py). Off: the plain
-    # expressions r·x + p·y, the same math rounded in another order, in more kernels.
-    residual_fusions: bool = True
+    Feature(
+        "mtp",
+        removes="next-token loss only",
+        removes_in_full="the multi-token-prediction terms: one weight, (1.0,), every step",
+        introduced_by="before record #89",
+        gain="not priced"),
+    # PR #337 (the prefix-token record #89 merged onto): the prefix-token auxiliary term. Off: no term,
+    # no prefix table (not built on the clock, no buffer in the model).
+    Feature(
+        "prefix_loss",
+        removes="no prefix term, no prefix table",
+        removes_in_full="the prefix-token term, the model's prefix table and its build on the clock",
+        introduced_by="PR #337",
+        gain="not priced"),
+    # in record #89's tree (fp8 lm_head and MLP forward; PR #342 the down projection), extended by PR #344
+    # (packed fp8 QKV) and PR #360 (fp8 MLP backward, cached lm_head, e4m3 logits). The one fp8 switch
+    # (any preset, recorded with the run); a device without fp8 GEMMs (below SM89: perf/backend.py reads
+    # it from the device) trains in bf16 whatever it says, and the record preset refuses such a device.
+    Feature(
+        "fp8",
+        removes="bf16 GEMMs, no fp8 caches",
+        removes_in_full="fp8 GEMMs (MLP forward and backward, lm_head and its e4m3 logits, packed QKV) and the fp8 "
+                        "weight caches: bf16 GEMMs throughout",
+        introduced_by="record #89 (fp8 lm_head and MLP; PR #342 the down projection), PR #344 (QKV), PR #360 (MLP "
+                      "backward, e4m3 logits)",
+        gain="+4.96 s (the fp8 extension)"),
+    # PR #360 (record #92's residual fusions, perf/residual_fusion.py). Off: the plain expressions
+    # r·x + p·y, the same math rounded in another order, in more kernels.
+    Feature(
+        "residual_fusions",
+        removes="plain residual products r·x + p·y, the post-λ's outside the O and down projections",
+        removes_in_full="the residual fusions: `scale`/`scale_add` with 0-D λ's at every residual site, the attention "
+                        "post-λ riding the O projection (`o_gain`), the MLP post-λ folded into the fp8 down-projection "
+                        "scale, `rms_norm_with_head` for the value-embedding gates; off: the plain `r·x + p·y` (same "
+                        "math, rounded in another order, more kernels; `python -m tools.bench_residual_fusion` times "
+                        "both)",
+        introduced_by="PR #360",
+        gain="not priced"),
+)
 
-    def off(self) -> list[str]:
-        """The switched-off features' names, in field order."""
-        return [name for name, on in vars(self).items() if not on]
+
+def _off(self) -> list[str]:
+    """The switched-off features' names, in declaration order."""
+    return [name for name, on in vars(self).items() if not on]
 
 
-# ours: what each switch removes, for the run log's features line (train_gpt.py).
-FEATURE_REMOVES = {
-    "ngram": "no n-gram table, row exchange, row optimizer, sign pool or injections",
-    "value_embeds": "no value_embeds/ve_gate_bank, no value embeddings on V or in the MUDD mix",
-    "sampled_softmax": "full softmax every step, no candidate sets",
-    "mtp": "next-token loss only",
-    "prefix_loss": "no prefix term, no prefix table",
-    "fp8": "bf16 GEMMs, no fp8 caches",
-    "residual_fusions": "plain residual products r·x + p·y, the post-λ's outside the O and down projections",
-}
+def feature_config_class(features: tuple[Feature, ...]) -> type:
+    """The frozen dataclass of the switches: one `bool` field per declaration, defaulting to the
+    declared value, in declaration order (what `--set features.X=...` and asdict() see)."""
+    names = [f.name for f in features]
+    if len(set(names)) != len(names) or not all(n.isidentifier() for n in names):
+        raise ValueError(f"FEATURES: names must be distinct identifiers, got {names}")
+    owned = [p for f in features for p in f.param_names]
+    if len(set(owned)) != len(owned):
+        raise ValueError(f"FEATURES: a parameter belongs to one feature, got {owned}")
+    cls = make_dataclass(
+        "FeatureConfig", [(f.name, bool, field(default=f.default)) for f in features], frozen=True,
+        namespace={"off": _off, "__doc__": "Which of the record's features a run has (`--set features.ngram=false`, "
+                   "...): one field per config.FEATURES declaration, its default the record's."})
+    cls.__module__ = __name__  # (make_dataclass names its caller's caller: pickle and repr find it here)
+    return cls
 
 
-def features_line(features: FeatureConfig) -> str | None:
+FeatureConfig = feature_config_class(FEATURES)
+
+
+def switched_off_parameters(features) -> tuple[str, ...]:
+    """The parameters of every switched-off feature, in declaration order: the record's parameters
+    a model with these switches lacks (GPT.switched_off_parameters; the optimizer skips them)."""
+    return tuple(p for f in FEATURES if not getattr(features, f.name) for p in f.param_names)
+
+
+def features_line(features) -> str | None:
     """`features: ngram off (no n-gram table, ...), ...` when any feature is off; None for the record."""
-    off = features.off()
+    off = [f for f in FEATURES if not getattr(features, f.name)]
     if not off:
         return None
-    return "features: " + ", ".join(f"{name} off ({FEATURE_REMOVES[name]})" for name in off) + \
+    return "features: " + ", ".join(f"{f.name} off ({f.removes})" for f in off) + \
         " (the record has every feature on)"
 
 

@@ -304,6 +304,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         log.print0(allocator_settings_line(setup.device), console=True)  # what the warmup's allocations got
         tails = TailAverages(run.manager, schedule)
         loader = TrainLoader(train_glob, setup.virtual_ranks, cfg.virtual_world_size, **run.hash_sizes,
+                             virtual_seq_cap=cfg.schedule.virtual_seq_cap,
                              pin_memory=setup.device.type == "cuda" and run.batch_ring is None)  # the ring pins
         mask_build = CanonicalMaskBuild(cfg.model.vocab_size) if cfg.canonical_mask and setup.is_master else None
 

@@ -4,11 +4,11 @@ Training (record #360: track_1_short/data.py): every step, all ranks split the s
 documents the same way. Rank 0 takes documents from the next BOS on, each cut at the stage's doc
 cap, until it holds tokens_per_rank + 1 tokens (its last document is cut to fit, and its remainder
 is dropped); rank 1 continues at the following BOS, and so on. Inputs are the first T tokens, targets
-the last T. Attention segments are the documents, further cut every VIRTUAL_SEQ_CAP tokens (masking
-only: the tokens are untouched). cu_seqlens has a fixed length per batch size (static shapes for
-compile and CUDA graphs). The n-gram row ids and sign rows are hashed here, on the host; a run
-without the n-gram table (features.ngram off) passes `**NO_NGRAM`: nothing is hashed and its
-batches' n-gram fields are None.
+the last T. Attention segments are the documents, further cut every `virtual_seq_cap` tokens (the
+run's schedule.virtual_seq_cap; masking only: the tokens are untouched). cu_seqlens has a fixed
+length per batch size (static shapes for compile and CUDA graphs). The n-gram row ids and sign rows
+are hashed here, on the host; a run without the n-gram table (features.ngram off) passes
+`**NO_NGRAM`: nothing is hashed and its batches' n-gram fields are None.
 
     from data.loader import TrainLoader, val_batches
     loader = TrainLoader("data/fineweb10B/fineweb_train_*.bin", rank, world_size)
@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from config import ScheduleConfig
 from data.ngram import NGRAM_HALF_ROWS, NGRAM_SIGN_POOL_ROWS, ngram_row_ids, ngram_sign_rows
 from data.shards import BOS_ID, check_token_ids, load_shard, read_shard, shard_num_tokens
 
@@ -41,10 +42,10 @@ from data.shards import BOS_ID, check_token_ids, load_shard, read_shard, shard_n
 # off): half_rows 0 means no hashing; the batches' ngram_ids and ngram_sign_rows are None.
 NO_NGRAM = {"ngram_half_rows": 0, "sign_pool_rows": 0}
 
-# Attention segments are cut every this many tokens inside a document (record #360's track_1_short/config.py); only
-# reached when the doc cap (3072 from stage 2) exceeds it. Batches report min(doc cap, this) as
-# max_seq_len.
-VIRTUAL_SEQ_CAP = 2560
+# Attention segments are cut every schedule.virtual_seq_cap tokens inside a document (record #360: 2560,
+# track_1_short/config.py; config.py holds the value, a run passes its own); only reached when the doc
+# cap (3072 from stage 2) exceeds it. Batches report min(doc cap, cap) as max_seq_len.
+VIRTUAL_SEQ_CAP = ScheduleConfig.virtual_seq_cap
 # cu_seqlens rows per tokens-per-rank (record #360: track_1_short/data.py): fixed shapes per batch size.
 CU_SEQLENS_ROWS = {16384: 64, 32768: 96, 40960: 128, 49152: 128}
 

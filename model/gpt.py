@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from config import FeatureConfig, ModelConfig
+from config import FeatureConfig, ModelConfig, ScheduleConfig, switched_off_parameters
 from model import mudd as M
 from model.attention import AttnArgs, CausalSelfAttention
 from model.embeddings import NUM_VALUE_EMBED_PLANES, SMEAR_CHANNELS, ngram_sign_pool, smear, value_embeddings
@@ -75,7 +75,6 @@ ATTN_GATE_LAYERS = (3, 10)
 VALUE_EMBED_LAYERS = (1, 2, 8, 10)  # planes 0, 1, 2, 3
 VALUE_EMBED_GATE_LAYERS = (1, 2, 8)  # ve_gate_bank rows 0, 1, 2
 VALUE_EMBED_GATE_CHANNELS = 6
-VALUE_EMBED_PARAMETERS = ("value_embeds", "ve_gate_bank")  # ours: absent with features.value_embeds off
 # ours (the value-embedding ablation): of the post-loop MUDD sources (cache[0], cache[7], cache[9], ve0,
 # cache[3], ve1, ve3, ve2, MLP input, late input), those left without value embeddings, by index into
 # block 1's 10 coefficients
@@ -89,7 +88,6 @@ MUDD_LAYER = 10
 ATTN_BANK_ORDER = (0, 2, 5, 1, 8, 3, 10)  # bank slot j belongs to layer ATTN_BANK_ORDER[j]
 BANK_SLOTS_PADDED = 8  # record #360: qk/vo banks padded to 8 slots so 8 ranks shard them evenly
 NARROW_ATTN_SCALE, WIDE_ATTN_SCALE = 0.13, 0.085  # record #360: initial softmax scales
-WINDOW_BLOCK = 128  # record #360: windows are counted in 128-token blocks
 # --- initialization (record #360: track_1_short/model/gpt.py) ---------------------------------------
 RESID_LAMBDA_INIT = math.sqrt(1.1)
 SA_LAMBDA_INIT = (0.5, 1.0)  # on the QKV weight, on the O weight
@@ -106,8 +104,8 @@ class StepArgs:
     keeps one graph per combination. Values that change from step to step travel as tensors whose
     contents change in place (optim/schedule.py `StepWeights`), so they never recompile.
     """
-    ws_short: int = 1  # short window, 128-token blocks
-    ws_long: int = 3  # long window (layers 3, 10), 128-token blocks
+    ws_short: int = 1  # short window, in blocks of GPT.block_size tokens (record #360: 128)
+    ws_long: int = 3  # long window (layers 3, 10), in blocks
     mtp_weights: Tensor | tuple = (1.0,)  # fp32 [K] weights of the loss on targets t, t+1, ... (K static)
     prefix_weight: Tensor | float | None = None  # 0-D prefix-token loss weight; None or 0.0: no prefix term
     candidates: Tensor | None = None  # sampled softmax: sorted class ids [P]; None = full softmax
@@ -139,12 +137,16 @@ def norm(x: Tensor) -> Tensor:
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, fp8: bool = True,
-                 features: FeatureConfig = FeatureConfig()):
+                 features: FeatureConfig = FeatureConfig(), block_size: int = ScheduleConfig.block_size):
         """fp8: the device runs fp8 GEMMs (perf.backend's `fp8`, read from the device); training uses
         them when features.fp8, the one switch, is on too. features: the record features this model has (config.FeatureConfig); a switched-off
-        one leaves no parameter, buffer or op behind (`switched_off_parameters`)."""
+        one leaves no parameter, buffer or op behind (`switched_off_parameters`). block_size: the
+        run's schedule.block_size, the tokens per window block (StepArgs' windows and
+        `rescale_rotary`'s count blocks; record #360: 128)."""
         super().__init__()
-        self.cfg, self.features = cfg, features
+        if block_size < 1:
+            raise ValueError(f"GPT: block_size={block_size} (schedule.block_size) must be a positive token count")
+        self.cfg, self.features, self.block_size = cfg, features, block_size
         self.fused_residuals = features.residual_fusions
         self.fp8 = fp8 and features.fp8
         V, D, H, hd = cfg.vocab_size, cfg.model_dim, cfg.num_heads, cfg.head_dim
@@ -233,9 +235,10 @@ class GPT(nn.Module):
 
     @property
     def switched_off_parameters(self) -> tuple[str, ...]:
-        """The record's parameters this model lacks because a feature is off (the optimizer's
-        table skips exactly these: optim/manager.py `absent`)."""
-        return () if self.features.value_embeds else VALUE_EMBED_PARAMETERS
+        """The record's parameters this model lacks because a feature is off: the parameters the
+        switched-off features declare (config.FEATURES); the optimizer's table skips exactly these
+        (optim/manager.py `absent`)."""
+        return switched_off_parameters(self.features)
 
     def set_prefix_table(self, table: Tensor) -> None:
         if self.prefix_table is None:
@@ -251,9 +254,9 @@ class GPT(nn.Module):
     def rescale_rotary(self, old: tuple[int, int], new: tuple[int, int]) -> None:
         """Window change (ws_short, ws_long) old → new in blocks: YaRN on the three tables."""
         if old[1] != new[1]:
-            self.yarn_wide.rescale(old[1] * WINDOW_BLOCK, new[1] * WINDOW_BLOCK)
+            self.yarn_wide.rescale(old[1] * self.block_size, new[1] * self.block_size)
             for table in (self.yarn, self.yarn_paired):
-                table.rescale(old[0] * WINDOW_BLOCK, new[0] * WINDOW_BLOCK)
+                table.rescale(old[0] * self.block_size, new[0] * self.block_size)
 
     def gate_lanes(self, x: Tensor, gate: int, num_lanes: int) -> Tensor:
         """Raw lanes of the pre (gate 0) or post (gate 1) MUDD gate: [T, num_lanes]."""
@@ -373,7 +376,7 @@ class GPT(nn.Module):
                 long = i in LONG_WINDOW_LAYERS
                 args = AttnArgs(
                     sa_lambdas=sa[i], cu_seqlens=cu_seqlens,
-                    window=(step.ws_long if long else step.ws_short) * WINDOW_BLOCK,
+                    window=(step.ws_long if long else step.ws_short) * self.block_size,
                     yarn=self.yarn_wide if long else (self.yarn_paired if i in PAIRED_HEAD_LAYERS else self.yarn),
                     key_offset=long, attn_gate=attn_gate.get(i), aux_v=aux_v, xsa_alpha=xsa.get(i),
                     o_gain=p_attn[i] if fold_o_gain else None, fp8=use_fp8, max_seqlen=step.max_seq_len)

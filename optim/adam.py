@@ -17,24 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from config import FEATURES, Feature, ParamRule
 from perf.kernels.transpose import transpose_into
-
-
-@dataclass(frozen=True)
-class ParamRule:
-    """How one parameter is optimized.
-
-    optim:   "bank" (ANVIL or NorMuon, per OptimConfig) or "adam"
-    comms:   "sharded" (reduce-scatter, update 1/W, all-gather) or "replicated" (all-reduce)
-    cadence: "every" (banks), "adam" (odd steps, two steps of summed gradient) or "table" (the
-             n-gram table's update events, gradient summed over the cycle: value_embeds)
-    """
-    optim: str
-    comms: str
-    cadence: str
-    betas: tuple[float, float] | None = None
-    lr_mul: float = 1.0
-    wd_mul: float = 1.0
 
 
 def _adam(betas, lr_mul=1.0, wd_mul=1.0, comms="replicated", cadence="adam") -> ParamRule:
@@ -44,20 +28,17 @@ def _adam(betas, lr_mul=1.0, wd_mul=1.0, comms="replicated", cadence="adam") -> 
 _BANK = ParamRule("bank", "sharded", "every")
 
 # record #360 (track_1_short/training.py): betas; lr_mul; wd_mul. The bank shape multiplier and per-matrix
-# multipliers are applied by optim/manager.py.
-RECORD_PARAM_TABLE: dict[str, ParamRule] = {
+# multipliers are applied by optim/manager.py. The parameters a feature switch adds carry their rows in
+# their declaration (config.FEATURES: value_embeds, ve_gate_bank), joined below.
+BASE_PARAM_TABLE: dict[str, ParamRule] = {
     "qk_bank": _BANK,
     "vo_bank": _BANK,
     "mlp_bank": _BANK,
     "scalars": _adam((0.9, 0.99), lr_mul=5.0, wd_mul=0.0),
     "smear_gate.weight": _adam((0.9, 0.99), lr_mul=0.01, wd_mul=0.0),
-    "ve_gate_bank": _adam((0.9, 0.99)),
     "lm_head.weight": _adam((0.5, 0.95), wd_mul=150.0, comms="sharded"),  # carries embed's grad while tied
     "post_lambdas": _adam((0.9, 0.95), wd_mul=0.0),
     "resid_lambdas": _adam((0.9, 0.95), lr_mul=5.0, wd_mul=0.0),
-    # (0.75, 0.95) and wd_mul 5 until table_period4_step, then squared betas and 10: see
-    # value_embed_hparams. record #89 used lr_mul 75.
-    "value_embeds": _adam((0.75, 0.95), lr_mul=70.0, wd_mul=5.0, comms="sharded", cadence="table"),
     "embed.weight": _adam((0.5, 0.95), wd_mul=150.0, comms="sharded"),      # skipped while tied
     "mudd_w1": _adam((0.9, 0.99), lr_mul=0.25),
     "mudd_w2": _adam((0.9, 0.99), lr_mul=0.25),
@@ -68,6 +49,22 @@ RECORD_PARAM_TABLE: dict[str, ParamRule] = {
     "mudd_gate_b2": _adam((0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
     "mudd_gate_scale": _adam((0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
 }
+
+
+def param_table(features: tuple[Feature, ...] = FEATURES) -> dict[str, ParamRule]:
+    """The optimizer table of a model with every declared feature: the base rows, then each
+    feature's parameters' rows in declaration order. (Entries are made in the model's
+    named_parameters() order, not this one: the order here names nothing but error messages.)"""
+    table = dict(BASE_PARAM_TABLE)
+    for feature in features:
+        for name, rule in feature.params:
+            if name in table:
+                raise ValueError(f"feature {feature.name!r} declares parameter {name!r}, which already has a row")
+            table[name] = rule
+    return table
+
+
+RECORD_PARAM_TABLE: dict[str, ParamRule] = param_table()
 VALUE_EMBEDS = "value_embeds"
 LM_HEAD = "lm_head.weight"
 EMBED = "embed.weight"
@@ -85,7 +82,8 @@ def build_param_table(named_parameters: Iterable[tuple[str, Tensor]],
             raise ValueError(f"parameter {name!r} appears twice in named_parameters()")
         if name not in table:
             raise ValueError(f"parameter {name!r} (shape {tuple(param.shape)}) has no optimizer "
-                             f"entry: add it to the parameter table in optim/adam.py")
+                             f"entry: add its row to BASE_PARAM_TABLE in optim/adam.py, or to its feature's "
+                             f"declaration (config.FEATURES) when a switch adds it")
         out[name] = (param, table[name])
     missing = [n for n in table if n not in out]
     if missing:

@@ -126,7 +126,8 @@ class Run:
         features = cfg.features
         self.schedule = TrainingSchedule(cfg.schedule, features)
         with torch.device("meta") if on_meta else contextlib.nullcontext():
-            self.model = GPT(cfg.model, fp8=setup.backend.fp8, features=features).to(setup.device)
+            self.model = GPT(cfg.model, fp8=setup.backend.fp8, features=features,
+                             block_size=cfg.schedule.block_size).to(setup.device)
         if setup.world_size > 1 and not on_meta:  # every rank starts from rank 0's weights and sign pool
             for t in [*self.model.parameters(), *([self.model.ngram_sign_pool] if features.ngram else [])]:
                 dist.broadcast(t.data, 0)
@@ -461,7 +462,8 @@ class Run:
             progress, enabled=self.setup.backend.compile)
         def batches(step: int) -> list:
             tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
-            return [dummy_batch(tokens, schedule.doc_cap(step), seed=step, **self.hash_sizes)
+            return [dummy_batch(tokens, schedule.doc_cap(step), seed=step, virtual_seq_cap=cfg.schedule.virtual_seq_cap,
+                                **self.hash_sizes)
                     for _ in self.setup.virtual_ranks]
 
         # one order of collectives on every rank (runtime/collective_order.py): each collective of the

@@ -317,7 +317,7 @@ def build_model(cfg, backend, world_size: int):
 
     schedule = TrainingSchedule(cfg.schedule, cfg.features)
     with on_fake_cuda():
-        model = GPT(cfg.model, fp8=backend.fp8, features=cfg.features)
+        model = GPT(cfg.model, fp8=backend.fp8, features=cfg.features, block_size=cfg.schedule.block_size)
         manager = OptimizerManager(model.named_parameters(), schedule, cfg.optim, layout=(0, world_size),
                                    absent=model.switched_off_parameters,
                                    local_ranks=cfg.virtual_world_size // world_size)

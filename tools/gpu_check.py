@@ -506,13 +506,12 @@ def check_mlp(ctx: Context) -> list[Result]:
 def _qkv_case(ctx: Context, T: int, D: int, H: int, dq: int, dv: int, paired: bool, key_offset: bool,
               rotary_dim: int) -> dict[str, Callable]:
     """One attention layer's training QKV, fused (perf/kernels/qkv_rope.py, its Triton kernels) and
-    unfused (perf/fp8.py fp8_qkv, then model/attention.py normed_rotary_qk, eager autograd), each as
+    unfused (perf/fp8.py fp8_qkv, then perf/kernels/qkv_rope.py normed_rotary_qk, eager autograd), each as
     a closure running forward + backward on the same inputs and returning q, k, v and every gradient."""
-    from model.attention import normed_rotary_qk
     from model.rotary import Yarn
     from perf.backend import use_backend
     from perf.fp8 import fp8_qkv
-    from perf.kernels.qkv_rope import fp8_qkv_rope
+    from perf.kernels.qkv_rope import fp8_qkv_rope, normed_rotary_qk
 
     gen = torch.Generator(device=ctx.device).manual_seed(0)
     x = torch.randn((T, D), device=ctx.device, generator=gen)
@@ -527,13 +526,14 @@ def _qkv_case(ctx: Context, T: int, D: int, H: int, dq: int, dv: int, paired: bo
 
     def step(fused: bool) -> list[torch.Tensor]:
         leaves = [t.detach().clone().requires_grad_() for t in (x, w_qk, w_v, sa0)]
+        f1, f2 = yarn.tables(T)
         if fused:
-            f1, f2 = yarn.tables(T)
             with use_backend(triton=True):
                 q, k, v = fp8_qkv_rope(*leaves, f1, f2, H, rotary_dim, paired, key_offset)
         else:
             qk, v = fp8_qkv(*leaves).split([2 * H * dq, H * dv], dim=-1)
-            q, k = (t.bfloat16() for t in normed_rotary_qk(qk.view(T, 2 * H, dq), yarn, paired, key_offset))
+            q, k = (t.bfloat16() for t in normed_rotary_qk(qk.view(T, 2 * H, dq), f1, f2, rotary_dim, paired,
+                                                            key_offset))
             v = v.view(T, H, dv)
         torch.autograd.backward((q, k, v), grads)
         return [q.detach(), k.detach(), v.detach()] + [t.grad for t in leaves]
@@ -612,12 +612,13 @@ def _record_step(ctx: Context) -> RecordStep:
     step = schedule.stage_ends[2]  # the first stage-2 step: the largest batch
     s = schedule.settings(step)
     torch.manual_seed(0)
-    model = GPT(cfg, fp8=current().fp8).to(ctx.device)
+    model = GPT(cfg, fp8=current().fp8, block_size=SCHEDULE_PRESETS[preset].block_size).to(ctx.device)
     table = NgramTable(cfg, 0, 1, device=ctx.device)
     manager = OptimizerManager(model.named_parameters(), schedule, OPTIM_PRESETS[preset])
     model.value_embed_grad_buffer = manager.cycle_gradient("value_embeds")
     model.refresh_fp8()
-    host_batch = dummy_batch(s.batch_tokens // ranks, s.doc_cap, **ngram_hash_sizes(cfg))
+    host_batch = dummy_batch(s.batch_tokens // ranks, s.doc_cap, virtual_seq_cap=SCHEDULE_PRESETS[preset].virtual_seq_cap,
+                             **ngram_hash_sizes(cfg))
     exchange = RowExchange(table.num_rows, 0, 1, ctx.device)
     plan = exchange.plan(host_batch.ngram_ids)  # planned on the host, before the upload
     batch = host_batch.to(ctx.device)
@@ -773,7 +774,7 @@ def _cuda_graphs_results(ctx: Context) -> list[Result]:
         graphs.run("forward_backward", s.geometry, forward_backward)
         rows.grad.zero_()
         manager.load_scalars(step)
-        graphs.run("optimizer", manager.phase(step), lambda: manager.step(step, untie=False))
+        graphs.run("optimizer", manager.phase(step), lambda: manager.update(step))
         exact = model.next_fp8_refresh_exact()  # training.Run.flush, at the next step's top
         graphs.run("fp8_refresh", exact, lambda: model.refresh_fp8(exact))
 
@@ -788,7 +789,7 @@ def _cuda_graphs_results(ctx: Context) -> list[Result]:
             eager = forward_backward
         elif report.region == "optimizer":
             def eager():
-                manager.step(step, untie=False)
+                manager.update(step)
         else:
             def eager(exact=report.key):
                 model.refresh_fp8(exact)

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cli import apply_overrides
-from config import RUN_PRESETS, ConfigError, FeatureConfig, features_line
+from config import FEATURES as DECLARED, RUN_PRESETS, ConfigError, FeatureConfig, features_line
 from data.loader import NO_NGRAM, dummy_batch
 from model.gpt import GPT, StepArgs
 from perf import backend as perf_backend
@@ -56,14 +56,14 @@ def _step_args(model: GPT, schedule: TrainingSchedule, step: int) -> StepArgs:
     mtp, prefix = StepWeights(schedule).load(step)
     s = schedule.settings(step)
     return StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp, prefix_weight=prefix, training=True,
-                    max_seq_len=s.max_seq_len)
+                    max_seq_len=schedule.max_seq_len(step))
 
 
 # ---- the switches as config ------------------------------------------------------------------------
 
 
 def test_every_switch_defaults_to_the_record_and_is_set_from_the_command_line():
-    assert FEATURES == ["ngram", "value_embeds", "sampled_softmax", "mtp", "prefix_loss", "fp8", "residual_fusions"]
+    assert FEATURES == [f.name for f in DECLARED]  # one field per declaration (config.FEATURES), in its order
     for preset in RUN_PRESETS.values():
         assert preset.features == FeatureConfig() and FeatureConfig().off() == []
     assert features_line(FeatureConfig()) is None  # the record logs no features line
@@ -138,8 +138,9 @@ def test_value_embeds_off_leaves_no_parameter_state_gradient_buffer_or_average()
         model = GPT(SMOKE.model, fp8=False, features=_only_off("value_embeds"))
     assert len(phases) < len({record.phase_at(s) for s in steps})
     # (value_embeddings is never called: the run with every switch off below forbids it)
-    # the manager refuses a missing parameter it was not told about, and an unknown absent name
-    with pytest.raises(ValueError, match=r"optimizer table entries \['ve_gate_bank', 'value_embeds'\] match no"):
+    # the manager refuses a missing parameter it was not told about (the feature's rows, in its declaration's
+    # order), and an unknown absent name
+    with pytest.raises(ValueError, match=r"optimizer table entries \['value_embeds', 've_gate_bank'\] match no"):
         OptimizerManager(model.named_parameters(), run.schedule, layout=(0, 1))
     with pytest.raises(ValueError, match=r"absent parameters \['value_embed'\] are not in the optimizer table"):
         OptimizerManager(model.named_parameters(), run.schedule, layout=(0, 1), absent=["value_embed"])
@@ -330,7 +331,7 @@ def test_normuon_cuda_graphs_and_compile_switches_remove_theirs():
     assert {e.state.velocity.shape[0] for e in manager.entries.values() if e.rule.optim == "bank"} == {1}  # one rail
     with perf_backend.use_backend(cuda_graphs=False, compile=False):
         run = _run(FeatureConfig())
-        assert run.graphs is None and run.region_runner is training.run_eagerly
+        assert run.graphs is None and run.region_runner("optimizer", None, lambda: 7) == 7  # the plain call
         assert run.forward is run.model  # no torch.compile wrapper
     with perf_backend.use_backend(cuda_graphs=True, compile=True, compile_backend="eager"):
         run = _run(FeatureConfig())

@@ -1,0 +1,178 @@
+"""A feature switch is one declaration (config.FEATURES): FeatureConfig's fields, the features line,
+the optimizer's rows for the parameters a switch adds, the parameters a model without it lacks and
+docs/features.md's rows are all made from it. Here the record's declarations against an independent
+copy of record #360's optimizer table, and a toy switch declared the way docs/features.md says
+("Adding a switch"), trained on the smoke preset with it on and off.
+"""
+import dataclasses
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import config
+from cli import apply_overrides
+from config import FEATURES, RUN_PRESETS, Feature, FeatureConfig, ParamRule, features_line
+from model.gpt import GPT
+from optim import adam
+from runtime import training
+
+SMOKE = RUN_PRESETS["smoke"]
+
+
+def _adam(betas, lr_mul=1.0, wd_mul=1.0, comms="replicated", cadence="adam"):
+    return ParamRule("adam", comms, cadence, betas, lr_mul, wd_mul)
+
+
+# record #360's optimizer table as track_1_short/training.py lists it (typed out here, not read from
+# the code): name -> (betas, lr_mul, wd_mul); banks are ANVIL's
+RECORD_TABLE = {
+    "qk_bank": ParamRule("bank", "sharded", "every"),
+    "vo_bank": ParamRule("bank", "sharded", "every"),
+    "mlp_bank": ParamRule("bank", "sharded", "every"),
+    "scalars": _adam((0.9, 0.99), lr_mul=5.0, wd_mul=0.0),
+    "smear_gate.weight": _adam((0.9, 0.99), lr_mul=0.01, wd_mul=0.0),
+    "ve_gate_bank": _adam((0.9, 0.99)),
+    "lm_head.weight": _adam((0.5, 0.95), wd_mul=150.0, comms="sharded"),
+    "post_lambdas": _adam((0.9, 0.95), wd_mul=0.0),
+    "resid_lambdas": _adam((0.9, 0.95), lr_mul=5.0, wd_mul=0.0),
+    "value_embeds": _adam((0.75, 0.95), lr_mul=70.0, wd_mul=5.0, comms="sharded", cadence="table"),
+    "embed.weight": _adam((0.5, 0.95), wd_mul=150.0, comms="sharded"),
+    "mudd_w1": _adam((0.9, 0.99), lr_mul=0.25),
+    "mudd_w2": _adam((0.9, 0.99), lr_mul=0.25),
+    "mudd_w2g": _adam((0.9, 0.99), lr_mul=0.25),
+    "mudd_b2": _adam((0.9, 0.99), lr_mul=0.25, wd_mul=0.0),
+    "mudd_gate_w1": _adam((0.9, 0.99), lr_mul=0.1),
+    "mudd_gate_w2": _adam((0.9, 0.99), lr_mul=0.1),
+    "mudd_gate_b2": _adam((0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
+    "mudd_gate_scale": _adam((0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
+}
+
+
+def test_the_record_declarations_make_the_switches_the_table_and_the_doc():
+    assert [f.name for f in dataclasses.fields(FeatureConfig)] == [f.name for f in FEATURES]
+    assert all(f.type is bool and f.default is d.default for f, d in zip(dataclasses.fields(FeatureConfig), FEATURES))
+    assert adam.RECORD_PARAM_TABLE == RECORD_TABLE == adam.param_table(FEATURES)
+    owned = {p: f.name for f in FEATURES for p in f.param_names}
+    assert owned == {"value_embeds": "value_embeds", "ve_gate_bank": "value_embeds"}
+    # every feature-owned parameter is one the record model has, in its order
+    with torch.device("meta"):
+        names = [n for n, _ in GPT(SMOKE.model).named_parameters()]
+    assert [n for n in names if n in owned] == ["value_embeds", "ve_gate_bank"]
+    assert sorted(names) == sorted(RECORD_TABLE)
+    line = features_line(FeatureConfig(value_embeds=False, fp8=False))
+    assert line == ("features: value_embeds off (no value_embeds/ve_gate_bank, no value embeddings on V or in the "
+                    "MUDD mix), fp8 off (bf16 GEMMs, no fp8 caches) (the record has every feature on)")
+    with pytest.raises(ValueError, match="names must be distinct"):
+        config.feature_config_class(FEATURES + FEATURES[:1])
+    with pytest.raises(ValueError, match="a parameter belongs to one feature"):
+        config.feature_config_class(FEATURES + (dataclasses.replace(FEATURES[1], name="ve_again"),))
+    with pytest.raises(ValueError, match="declares parameter 'scalars', which already has a row"):
+        adam.param_table((Feature("x", "", "", "", "", params=(("scalars", _adam((0.9, 0.99))),)),))
+
+
+# ---- a toy switch, declared once ---------------------------------------------------------------------
+
+# the declaration docs/features.md shows, zero-scaled: a [D] bias added into the residual stream times 0,
+# a real Adam parameter (it gets a gradient, zero, and Adam steps) that leaves the math bitwise alone
+TOY = Feature(
+    "toy_bias",
+    removes="no toy bias",
+    removes_in_full="the zero-scaled [D] toy bias and its Adam state",
+    introduced_by="tests/run/test_run_feature_declaration.py",
+    gain="not priced",
+    params=(("toy_bias", ParamRule("adam", "replicated", "adam", (0.9, 0.99), wd_mul=0.0)),))
+
+
+class ToyGPT(GPT):
+    """The model code the toy switch needs: its parameter, registered after the record's (a seeded
+    run draws them in order), and its one use, added to the embeddings' output."""
+    built: list = []
+
+    def __init__(self, cfg, *args, **kwargs):
+        super().__init__(cfg, *args, **kwargs)
+        if self.features.toy_bias:
+            self.toy_bias = nn.Parameter(torch.zeros(cfg.model_dim))  # [D]
+            self.embed.register_forward_hook(lambda m, a, out: out + (0.0 * self.toy_bias).to(out.dtype))
+        ToyGPT.built.append(self)
+
+
+def _declare(monkeypatch, feature: Feature):
+    """What adding `feature` at the end of config.FEATURES does when config.py and optim/adam.py
+    are imported: the registry, FeatureConfig made from it, the smoke preset's switches, and the
+    optimizer table made from it (the manager's default table object, its rows updated in place)."""
+    features = (*config.FEATURES, feature)
+    monkeypatch.setattr(config, "FEATURES", features)
+    feature_config = config.feature_config_class(features)
+    monkeypatch.setattr(config, "FeatureConfig", feature_config)
+    monkeypatch.setitem(config.RUN_PRESETS, "smoke", dataclasses.replace(SMOKE, features=feature_config()))
+    table = adam.param_table(features)
+    for name in table.keys() - adam.RECORD_PARAM_TABLE.keys():
+        monkeypatch.setitem(adam.RECORD_PARAM_TABLE, name, table[name])
+    return feature_config
+
+
+@pytest.fixture(scope="module")
+def tiny_shards(tmp_path_factory):
+    """Random documents of 64 tokens: three training steps and one validation step of the smoke preset."""
+    from data.shards import BOS_ID, write_shard
+    out = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    for kind, n in (("train", 8192), ("val", 4096)):
+        tokens = rng.integers(0, BOS_ID, n).astype(np.uint16)
+        tokens[::64] = BOS_ID
+        write_shard(out / f"tiny_{kind}_000000.bin", tokens)
+    return out
+
+
+def _train(tmp_path, tiny_shards, monkeypatch, *flags) -> tuple[dict, str, training.Run]:
+    import train_gpt
+    runs = []
+
+    class Recorded(training.Run):
+        def __init__(self, *args):
+            super().__init__(*args)
+            runs.append(self)
+
+    monkeypatch.setattr(train_gpt, "Run", Recorded)
+    small = ["--set", "schedule.stages.0.batch_tokens=256", "--set", "val_batch_tokens=512"]
+    train_gpt.main(["--config", "smoke", "--records-dir", str(tmp_path), "--data-path", str(tiny_shards),
+                    "--no-warmup", "--max-steps", "3", "--val-every", "0", "--val-tokens", "512", "--seed", "0",
+                    *flags, *small])
+    (entry,) = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert entry["status"] != "failed"
+    (run,) = runs
+    return entry, open(entry["log_path"]).read(), run
+
+
+def test_a_toy_switch_declared_once_trains_on_and_off(tmp_path, tiny_shards, monkeypatch):
+    toy_config = _declare(monkeypatch, TOY)
+    monkeypatch.setattr(training, "GPT", ToyGPT)
+    assert toy_config().toy_bias and apply_overrides(config.RUN_PRESETS["smoke"], ["features.toy_bias=false"]).features \
+        == toy_config(toy_bias=False)
+
+    on, on_log, on_run = _train(tmp_path / "on", tiny_shards, monkeypatch)
+    on_names = [n for n, _ in on_run.model.named_parameters()]
+    entry = on_run.manager.entries["toy_bias"]
+    assert entry.rule == TOY.params[0][1] and entry.state.step >= 1  # Adam stepped it (odd steps: 1 and 3)
+    assert torch.equal(entry.param.detach(), torch.zeros(SMOKE.model.model_dim))  # its gradient is 0·(...)
+    assert not re.search(r"^features: ", on_log, re.M) and on_run.cfg.features.toy_bias is True
+
+    off, off_log, off_run = _train(tmp_path / "off", tiny_shards, monkeypatch, "--set", "features.toy_bias=false")
+    assert off_run.model.switched_off_parameters == ("toy_bias",)
+    off_names = [n for n, _ in off_run.model.named_parameters()]
+    assert "toy_bias" not in off_names and "toy_bias" not in off_run.manager.entries
+    assert "toy_bias" in on_names and [n for n in on_names if n != "toy_bias"] == off_names  # the record's, in order
+    assert list(on_run.manager.entries) == on_names and list(off_run.manager.entries) == off_names
+    (line,) = re.findall(r"^features: .*$", off_log, re.M)
+    assert line == "features: toy_bias off (no toy bias) (the record has every feature on)"
+    # the zero-scaled bias changes nothing: the same losses bit for bit (and the record's parameters
+    # were drawn in the record's order)
+    assert len(on["train_losses"]) == 3 and on["train_losses"] == off["train_losses"]
+    assert on["val_loss"] == off["val_loss"] and np.isfinite(on["val_loss"])
+    from tools.features_doc import table
+    assert table(config.FEATURES).endswith("| `--set features.toy_bias=false` | the zero-scaled [D] toy bias and its "
+                                           "Adam state | tests/run/test_run_feature_declaration.py | not priced |\n")
