@@ -239,6 +239,8 @@ def capture_check_cost(rank: RankOnMeta, horizon: int | None = None) -> CaptureC
                         out = loss.detach()
                     elif region == "optimizer":
                         with written_by_collectives(recorder), recorder:
+                            if manager.local_ranks > 1:  # a run folds each virtual rank after its backward;
+                                manager.fold_local(first[slot])  # here one fold, counted with the update
                             out = manager.update(first[slot])
                     else:   # fp8_refresh, keyed by its exact mode
                         with use_backend(**PORTABLE_BACKEND), recorder:

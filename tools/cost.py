@@ -87,7 +87,7 @@ def counted_collectives(sent: collections.Counter, world_size: int):
 
 
 def phase_costs(rank) -> list[PhaseCost]:
-    """`OptimizerManager.step` once per optimizer phase of the schedule, on "meta", every parameter
+    """`OptimizerManager.update` once per optimizer phase of the schedule, on "meta", every parameter
     holding a gradient; the untie (once, at the split) is left out."""
     manager, schedule = rank.manager, rank.schedule
     # the update as upstream's graphs run it: gradients released, not zeroed in place (the run's
@@ -107,6 +107,8 @@ def phase_costs(rank) -> list[PhaseCost]:
             p.grad = torch.empty_like(p)  # on meta, as the parameters; the scalars load for the entries due
         manager.load_scalars(steps[0])
         with torch.device("meta"), counted_collectives(sent, rank.world_size), fused_kernels(counter), counter:
+            if manager.local_ranks > 1:  # a run folds each virtual rank after its backward; one fold counted here
+                manager.fold_local(steps[0])
             manager.update(steps[0])
             if manager.deferred:
                 manager.launch_deferred_gathers(steps[0])

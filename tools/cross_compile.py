@@ -343,7 +343,8 @@ def graph_inputs(cfg, schedule, spec: GraphSpec) -> tuple:
         prefix = torch.zeros((), dtype=torch.float32, device=dev) if s.prefix_weight else None
         candidates = torch.zeros(s.softmax_p, dtype=torch.int64, device=dev) if s.softmax_p else None
         args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp,
-                        prefix_weight=prefix, candidates=candidates, training=True, max_seq_len=s.max_seq_len)
+                        prefix_weight=prefix, candidates=candidates, training=True,
+                        max_seq_len=schedule.max_seq_len(spec.step))
         rows = torch.zeros(2 * T, D, dtype=torch.bfloat16, device=dev, requires_grad=True)  # the sink leaf
     else:
         T = cfg.val_batch_tokens // cfg.virtual_world_size

@@ -25,6 +25,7 @@ from optim.schedule import TrainingSchedule
 from optim.tail_average import TailAverages
 from runtime import config_check
 from runtime.meta_rank import build_rank_on_meta
+from tests.tiny_shards import write_tiny_shards
 
 SMOKE = dataclasses.replace(RUN_PRESETS["smoke"], seed=0)
 
@@ -221,14 +222,7 @@ def test_a_field_no_run_sets_is_refused_by_name(path):
 @pytest.fixture(scope="module")
 def tiny_shards(tmp_path_factory):
     """Random documents of 64 tokens, in files of their own names (train_pattern, val_pattern)."""
-    from data.shards import BOS_ID, write_shard
-    out = tmp_path_factory.mktemp("shards")
-    rng = np.random.default_rng(0)
-    for kind, n in (("learn", 8192), ("check", 4096)):
-        tokens = rng.integers(0, BOS_ID, n).astype(np.uint16)
-        tokens[::64] = BOS_ID
-        write_shard(out / f"tiny_{kind}_000000.bin", tokens)
-    return out
+    return write_tiny_shards(tmp_path_factory.mktemp("shards"), "learn", "check")
 
 
 def test_a_smoke_run_reads_the_outline_fields_and_cuts_segments_at_the_virtual_seq_cap(tmp_path, tiny_shards,

@@ -6,9 +6,9 @@ copy of record #360's optimizer table, and a toy switch declared the way docs/fe
 """
 import dataclasses
 import json
+import math
 import re
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from config import FEATURES, RUN_PRESETS, Feature, FeatureConfig, ParamRule, fea
 from model.gpt import GPT
 from optim import adam
 from runtime import training
+from tests.tiny_shards import write_tiny_shards
 
 SMOKE = RUN_PRESETS["smoke"]
 
@@ -118,14 +119,7 @@ def _declare(monkeypatch, feature: Feature):
 @pytest.fixture(scope="module")
 def tiny_shards(tmp_path_factory):
     """Random documents of 64 tokens: three training steps and one validation step of the smoke preset."""
-    from data.shards import BOS_ID, write_shard
-    out = tmp_path_factory.mktemp("shards")
-    rng = np.random.default_rng(0)
-    for kind, n in (("train", 8192), ("val", 4096)):
-        tokens = rng.integers(0, BOS_ID, n).astype(np.uint16)
-        tokens[::64] = BOS_ID
-        write_shard(out / f"tiny_{kind}_000000.bin", tokens)
-    return out
+    return write_tiny_shards(tmp_path_factory.mktemp("shards"))
 
 
 def _train(tmp_path, tiny_shards, monkeypatch, *flags) -> tuple[dict, str, training.Run]:
@@ -172,7 +166,7 @@ def test_a_toy_switch_declared_once_trains_on_and_off(tmp_path, tiny_shards, mon
     # the zero-scaled bias changes nothing: the same losses bit for bit (and the record's parameters
     # were drawn in the record's order)
     assert len(on["train_losses"]) == 3 and on["train_losses"] == off["train_losses"]
-    assert on["val_loss"] == off["val_loss"] and np.isfinite(on["val_loss"])
+    assert on["val_loss"] == off["val_loss"] and math.isfinite(on["val_loss"])
     from tools.features_doc import table
     assert table(config.FEATURES).endswith("| `--set features.toy_bias=false` | the zero-scaled [D] toy bias and its "
                                            "Adam state | tests/run/test_run_feature_declaration.py | not priced |\n")

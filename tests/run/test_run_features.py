@@ -23,6 +23,7 @@ from optim.schedule import StepWeights, TrainingSchedule
 from optim.tail_average import TailAverages
 from runtime import training
 from runtime.config_check import checkpoint_problems
+from tests.tiny_shards import write_tiny_shards
 
 SMOKE = RUN_PRESETS["smoke"]
 FEATURES = [f.name for f in dataclasses.fields(FeatureConfig)]
@@ -289,14 +290,7 @@ def test_an_evaluation_refuses_a_checkpoint_saved_with_other_switches(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_shards(tmp_path_factory):
     """Random documents of 64 tokens: one training step and one validation step of the smoke preset."""
-    from data.shards import BOS_ID, write_shard
-    out = tmp_path_factory.mktemp("shards")
-    rng = np.random.default_rng(0)
-    for kind, n in (("train", 8192), ("val", 4096)):
-        tokens = rng.integers(0, BOS_ID, n).astype(np.uint16)
-        tokens[::64] = BOS_ID
-        write_shard(out / f"tiny_{kind}_000000.bin", tokens)
-    return out
+    return write_tiny_shards(tmp_path_factory.mktemp("shards"))
 
 
 def test_a_smoke_run_with_every_switch_off_builds_none_of_them(tmp_path, tiny_shards, monkeypatch):
