@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from config import OptimConfig, ScheduleConfig
+from config import OptimConfig, ParamRule, ScheduleConfig
 from optim.adam import (RECORD_PARAM_TABLE, AdamState, RowAdamState, adam_update, build_param_table,
                         row_sparse_adam_event, value_embed_hparams)
 from optim.manager import NgramRowOptimizer, OptimizerManager, RowExchange
@@ -49,8 +49,39 @@ def test_table_entry_without_parameter_fails():
         build_param_table(named)
 
 
+def _adam(betas, lr_mul=1.0, wd_mul=1.0, comms="replicated", cadence="adam"):
+    return ParamRule("adam", comms, cadence, betas, lr_mul, wd_mul)
+
+
+# record #360's optimizer table as track_1_short/training.py lists it (typed out here, not read from
+# the code): name -> (betas, lr_mul, wd_mul); banks are ANVIL's
+RECORD_TABLE = {
+    "qk_bank": ParamRule("bank", "sharded", "every"),
+    "vo_bank": ParamRule("bank", "sharded", "every"),
+    "mlp_bank": ParamRule("bank", "sharded", "every"),
+    "scalars": _adam((0.9, 0.99), lr_mul=5.0, wd_mul=0.0),
+    "smear_gate.weight": _adam((0.9, 0.99), lr_mul=0.01, wd_mul=0.0),
+    "ve_gate_bank": _adam((0.9, 0.99)),
+    "lm_head.weight": _adam((0.5, 0.95), wd_mul=150.0, comms="sharded"),
+    "post_lambdas": _adam((0.9, 0.95), wd_mul=0.0),
+    "resid_lambdas": _adam((0.9, 0.95), lr_mul=5.0, wd_mul=0.0),
+    "value_embeds": _adam((0.75, 0.95), lr_mul=70.0, wd_mul=5.0, comms="sharded", cadence="table"),
+    "embed.weight": _adam((0.5, 0.95), wd_mul=150.0, comms="sharded"),
+    "mudd_w1": _adam((0.9, 0.99), lr_mul=0.25),
+    "mudd_w2": _adam((0.9, 0.99), lr_mul=0.25),
+    "mudd_w2g": _adam((0.9, 0.99), lr_mul=0.25),
+    "mudd_b2": _adam((0.9, 0.99), lr_mul=0.25, wd_mul=0.0),
+    "mudd_gate_w1": _adam((0.9, 0.99), lr_mul=0.1),
+    "mudd_gate_w2": _adam((0.9, 0.99), lr_mul=0.1),
+    "mudd_gate_b2": _adam((0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
+    "mudd_gate_scale": _adam((0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
+}
+
+
 def test_record_table_values():
+    """Every row against the typed-out table (the base rows and the rows config.FEATURES declares)."""
     t = RECORD_PARAM_TABLE
+    assert t == RECORD_TABLE
     assert (t["lm_head.weight"].betas, t["lm_head.weight"].wd_mul, t["lm_head.weight"].comms) == ((0.5, 0.95), 150, "sharded")
     assert (t["value_embeds"].lr_mul, t["value_embeds"].wd_mul, t["value_embeds"].cadence) == (70, 5, "table")
     assert (t["scalars"].lr_mul, t["scalars"].wd_mul) == (5, 0)
