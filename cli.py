@@ -168,7 +168,7 @@ def _set_path(obj, keys: list[str], value: str, path: str):
         raise ConfigError(str(e)) from None
 
 
-_NOT_SETTABLE = ("name", "overrides")  # the preset's name (use --config) and the record of the --set flags
+_NOT_SETTABLE = ("name", "overrides", "proposal")  # the preset's name (use --config), the record of the --set flags, --proposal
 
 
 def _field_type(cls, name: str):

@@ -5,7 +5,7 @@ command line of train_gpt.py overrides individual fields.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 
 
 class ConfigError(ValueError):
@@ -224,16 +224,23 @@ class Feature:
     feature lacks (switched_off_parameters) and docs/features.md's table (`python -m tools.features_doc`).
     The model code that uses the switch reads `features.<name>`; nothing else names it."""
     name: str                                        # the field: --set features.<name>=false
-    removes: str                                     # when off, short: the run log's features line
-    removes_in_full: str                             # when off, what is not built, launched, sent: docs row
+    removes: str                                     # the record's (default on): when off, short: the log's features line
+    removes_in_full: str                             # ... when off, what is not built, launched, sent: docs row
     introduced_by: str                               # docs row
-    gain: str                                        # docs row: record #360's measured gain (its ablation)
+    gain: str                                        # docs row: record #360's measured gain (its ablation), or the PR's claim
     params: tuple[tuple[str, ParamRule], ...] = ()   # parameters it adds and their optimizer rows
-    default: bool = True                             # the record's value
+    default: bool = True                             # the record's value: on for its features, off for a proposal's
+    requires: tuple[str, ...] = ()                   # features it needs on (refused up front without them)
 
     @property
     def param_names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.params)
+
+    @property
+    def frontier(self) -> bool:
+        """A feature past the record (an open PR's, off by default): its texts say what it adds
+        when on (`removes` reads as "adds" for it)."""
+        return not self.default
 
 
 # Every default is the record (all on). A switched-off feature costs nothing: no tensor allocated, no kernel
@@ -317,12 +324,47 @@ FEATURES: tuple[Feature, ...] = (
                         "both)",
         introduced_by="PR #360",
         gain="not priced"),
+    # ---- past the record: open upstream PRs, off by default (frontier_doc_copy.md; --proposal runs each) ----
+    # PR #375: the n-gram row and sign hashes read each token's normalization class (model/token_norm.py).
+    # No parameter; the map is built before the clock.
+    Feature(
+        "token_norm_hashes",
+        removes="n-gram hashes over normalized token classes",
+        removes_in_full="the n-gram row and sign hashes read each token's normalization class (NFKC, accents "
+                        "stripped, lowercased, whitespace runs collapsed, outer whitespace stripped: \" The\", "
+                        "\"THE\" and \"the\" share rows; 32,980 classes over GPT-2's 50,257 ids), mapped on the "
+                        "host before hashing; embeddings, targets and the data stream keep raw ids",
+        introduced_by="PR #375 (open)",
+        gain="−0.42 s claimed (40.588 vs 41.008 s, 7 + 7 runs), 1194 → 1179 steps",
+        default=False, requires=("ngram",)),
+    # PR #378 (stacked on #375): the longest earlier exact match of each position's normalized context in
+    # its document gives a candidate token and a bucket (model/doc_copy.py); embed(candidate)·scale[bucket]
+    # + bucket_embed[bucket] is added after the smear (gain site[0]) and before the final norm (site[1]).
+    Feature(
+        "doc_copy",
+        removes="a copy candidate from the document, added at two sites",
+        removes_in_full="the document-local matcher (10 context lengths 1..32, one stable sort of 10·T int64 keys "
+                        "inside the compiled forward), the candidate's row in the embedding lookup (2T rows), "
+                        "`copy_doc_scale` [31], `copy_doc_bucket_embed` [31, D] and `copy_doc_site` [2] with their "
+                        "Adam state, the copy vector after the smear and before the final norm",
+        introduced_by="PR #378 (open; on #375)",
+        gain="−1.174 s claimed (39.181 vs 40.355 s, 8 + 4 runs), 1194 → 1132 steps",
+        # PR #378 (track_1_short/training.py): replicated Adam, betas (0.9, 0.99), lr_mul 1, no decay
+        params=(("copy_doc_scale", ParamRule("adam", "replicated", "adam", (0.9, 0.99), wd_mul=0.0)),
+                ("copy_doc_bucket_embed", ParamRule("adam", "replicated", "adam", (0.9, 0.99), wd_mul=0.0)),
+                ("copy_doc_site", ParamRule("adam", "replicated", "adam", (0.9, 0.99), wd_mul=0.0))),
+        default=False, requires=("token_norm_hashes",)),
 )
 
 
 def _off(self) -> list[str]:
-    """The switched-off features' names, in declaration order."""
-    return [name for name, on in vars(self).items() if not on]
+    """The record's features switched off, in declaration order."""
+    return [f.name for f in fields(self) if f.default and not getattr(self, f.name)]
+
+
+def _added(self) -> list[str]:
+    """The features past the record (default off) switched on, in declaration order."""
+    return [f.name for f in fields(self) if not f.default and getattr(self, f.name)]
 
 
 def feature_config_class(features: tuple[Feature, ...]) -> type:
@@ -334,9 +376,12 @@ def feature_config_class(features: tuple[Feature, ...]) -> type:
     owned = [p for f in features for p in f.param_names]
     if len(set(owned)) != len(owned):
         raise ValueError(f"FEATURES: a parameter belongs to one feature, got {owned}")
+    unknown = [(f.name, r) for f in features for r in f.requires if r not in names or r == f.name]
+    if unknown:
+        raise ValueError(f"FEATURES: requires must name other declared features, got {unknown}")
     cls = make_dataclass(
         "FeatureConfig", [(f.name, bool, field(default=f.default)) for f in features], frozen=True,
-        namespace={"off": _off, "__doc__": "Which of the record's features a run has (`--set features.ngram=false`, "
+        namespace={"off": _off, "added": _added, "__doc__": "Which of the record's features a run has (`--set features.ngram=false`, "
                    "...): one field per config.FEATURES declaration, its default the record's."})
     cls.__module__ = __name__  # (make_dataclass names its caller's caller: pickle and repr find it here)
     return cls
@@ -347,17 +392,25 @@ FeatureConfig = feature_config_class(FEATURES)
 
 def switched_off_parameters(features) -> tuple[str, ...]:
     """The parameters of every switched-off feature, in declaration order: the record's parameters
-    a model with these switches lacks (GPT.switched_off_parameters; the optimizer skips them)."""
-    return tuple(p for f in FEATURES if not getattr(features, f.name) for p in f.param_names)
+    a model with these switches lacks (GPT.switched_off_parameters; the optimizer skips them). A
+    feature past the record, off, is not listed: the record's table never had its rows."""
+    return tuple(p for f in FEATURES if f.default and not getattr(features, f.name) for p in f.param_names)
 
 
 def features_line(features) -> str | None:
-    """`features: ngram off (no n-gram table, ...), ...` when any feature is off; None for the record."""
-    off = [f for f in FEATURES if not getattr(features, f.name)]
-    if not off:
+    """`features: ngram off (no n-gram table, ...), doc_copy on (a copy candidate ...), ...` for every
+    switch away from the record (its features off, a proposal's on); None for the record."""
+    changed = [f for f in FEATURES if getattr(features, f.name) != f.default]
+    if not changed:
         return None
-    return "features: " + ", ".join(f"{f.name} off ({f.removes})" for f in off) + \
-        " (the record has every feature on)"
+    return "features: " + ", ".join(f"{f.name} {'on' if f.frontier else 'off'} ({f.removes})" for f in changed) + \
+        " (the record has its features on and none past it)"
+
+
+def feature_problems(features) -> list[str]:
+    """A switched-on feature whose `requires` are off, one line each (config_check refuses the run)."""
+    return [f"--set features.{f.name}=true needs features.{r} on ({f.introduced_by}); add --set features.{r}=true"
+            for f in FEATURES if getattr(features, f.name) for r in f.requires if not getattr(features, r)]
 
 
 # ================================================================================================
@@ -397,6 +450,7 @@ class RunConfig:
     max_steps: int | None = None    # stop the timed loop early (a truncated check run: no tail ship)
     overrides: tuple[str, ...] = ()  # the --set assignments applied to the preset (logged, recorded)
     features: FeatureConfig = FeatureConfig()  # ablation switches, all on (--set features.ngram=false)
+    proposal: str = ""              # the open PR this run reproduces (--proposal NAME, PROPOSALS below), or ""
     # ours: how long a rank waits in a collective for the others (the process group's timeout). Sized
     # against a cold compile: ranks compile each geometry between two collectives of the warmup, and
     # one geometry of the record took up to 140 s to compile for SM90 on 2 CPU cores (tools.cross_compile);
@@ -448,3 +502,57 @@ RUN_PRESETS = {
         # steps gives the untrained loss at step 0.
         val_tokens=32_768, val_batch_tokens=2_048, val_every=35, log_train_loss=True),
 }
+
+
+# ================================================================================================
+# Proposals: open upstream PRs past the record, each as its PR ran it (train_gpt.py --proposal NAME).
+# ================================================================================================
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One open PR as it ran: the features it switches on and its schedule's base steps (the record
+    schedule's rules, config.ScheduleConfig, give its stage ends). `--proposal NAME` applies both to the
+    preset before --steps and --set (which still win); on a preset whose schedule is not the record's
+    (smoke) only the features apply. The claim is the PR's own measurement (8×H100), for the log and
+    the docs, never ours."""
+    name: str
+    pr: str                        # the PR, and what it stacks on
+    title: str
+    features: tuple[str, ...]      # switched on
+    base_steps: int                # schedule.base_steps on the record's schedule
+    claim: str                     # the PR's measured time and loss against its baseline
+
+    def applies_schedule(self, cfg: RunConfig) -> bool:
+        """Whether the proposal's base steps apply: the preset runs the record's schedule."""
+        return replace(cfg.schedule, base_steps=ScheduleConfig.base_steps) == ScheduleConfig()
+
+    def apply(self, cfg: RunConfig) -> RunConfig:
+        """cfg with the proposal's features on (and its base steps, `applies_schedule`), named in `proposal`."""
+        features = replace(cfg.features, **{name: True for name in self.features})
+        schedule = replace(cfg.schedule, base_steps=self.base_steps) if self.applies_schedule(cfg) else cfg.schedule
+        return replace(cfg, features=features, schedule=schedule, proposal=self.name)
+
+
+PROPOSALS = {
+    # PR #375 (frontier_doc_copy.md §1): 1122 → 1107 base steps (1179 in all: stage ends 0, 316, 672, 1093, 1159, 1179)
+    "token_norm_hashes": Proposal(
+        "token_norm_hashes", "PR #375", "token-normalized n-gram hashes", ("token_norm_hashes",), 1107,
+        "40.588 s vs 41.008 s for #360 (7 + 7 runs), val 3.27350 vs 3.27554"),
+    # PR #378 (frontier_doc_copy.md §2.6): 1060 base steps (1132 in all: 0, 303, 643, 1048, 1112, 1132)
+    "doc_copy": Proposal(
+        "doc_copy", "PR #378 (on PR #375)", "DocCopy: a document-local copy candidate as an input",
+        ("token_norm_hashes", "doc_copy"), 1060,
+        "39.181 ± 0.099 s (8 runs) vs 40.355 ± 0.155 s for #360 (4 runs, same node), val 3.27548 ± 0.00057"),
+}
+
+
+def proposal_line(cfg: RunConfig) -> str | None:
+    """The log's line naming the run's proposal, its features and where its schedule comes from."""
+    if not cfg.proposal:
+        return None
+    p = PROPOSALS[cfg.proposal]
+    schedule = (f"schedule: base {p.base_steps} steps (record rules)" if p.applies_schedule(cfg) else
+                f"schedule: the {cfg.name} preset's own (the PR's base {p.base_steps} steps apply to the record's schedule)")
+    return (f"proposal {p.name}: {p.pr}, {p.title}; features on: {', '.join(p.features)}; {schedule}; "
+            f"claimed on 8×H100: {p.claim}")

@@ -129,13 +129,15 @@ class CheckpointModel:
         cfg, n = self.run.cfg, len(tokens)
         inputs = np.asarray(tokens, dtype=np.int32)  # (n,)
         cap = cfg.schedule.virtual_seq_cap  # attention segments cut as the training cuts them
-        half_rows, pool_rows = self.run.hash_sizes["ngram_half_rows"], self.run.hash_sizes["sign_pool_rows"]
+        half_rows, pool_rows = self.run.hash_args["ngram_half_rows"], self.run.hash_args["sign_pool_rows"]
+        token_map = self.run.hash_args["token_map"]  # features.token_norm_hashes: the hashes read classes
+        keys = token_map[inputs] if token_map is not None else inputs  # (n,)
         batch = Batch(
             inputs=torch.from_numpy(inputs),
             targets=torch.from_numpy(np.append(inputs[1:], BOS_ID).astype(np.int64)),  # unread with logits=True
             cu_seqlens=padded_cu_seqlens(attention_segment_ends([n], cap), n, cu_seqlens_rows(n), "evaluate.py document"),
-            ngram_ids=ngram_row_ids(inputs, half_rows) if half_rows else None,  # hashed per document
-            ngram_sign_rows=ngram_sign_rows(inputs, pool_rows) if half_rows else None,
+            ngram_ids=ngram_row_ids(keys, half_rows) if half_rows else None,  # hashed per document
+            ngram_sign_rows=ngram_sign_rows(keys, pool_rows) if half_rows else None,
             max_seq_len=min(n, cap))
         batch, plan, _ = self.run.upload(batch, 0)  # the row plan: a host collective on several ranks
         rows = self.run.exchange.pull(self.run.table.rows, plan) if plan is not None else None

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from cli import ArgumentParser, apply_overrides, exit_on_config_error
-from config import RUN_PRESETS, ConfigError, RunConfig, features_line
+from config import PROPOSALS, RUN_PRESETS, ConfigError, RunConfig, features_line, proposal_line
 from data.loader import TrainLoader
 from model.canonical_mask import CanonicalMaskBuild
 from model.prefix import STORED_TABLE, build_prefix_table, build_prefix_table_sharded, gpt2_bpe_available
@@ -63,6 +63,9 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
                                  epilog="Presets: record (8×H100, the #360 recipe; refuses anything else), dev (1-8 "
                                         "CUDA GPUs, same recipe, gradient accumulation), smoke (CPU/gloo, minutes).")
     ap.add_argument("--config", default=None, choices=sorted(RUN_PRESETS), help="preset (default: record; smoke with --quick)")
+    ap.add_argument("--proposal", default=None, choices=sorted(PROPOSALS),
+                    help="an open upstream PR past the record, as it ran: its features on and its base steps on the "
+                         "record's schedule (config.PROPOSALS; --steps and --set still win)")
     ap.add_argument("--quick", action="store_true",
                     help="the one-minute check of a change: the smoke preset, no warmup, the steps up to 2 past the first "
                          "stage transition, one validation step at the end (explicit flags still win)")
@@ -97,6 +100,8 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
         raise ConfigError(f"--quick runs the smoke preset; drop --config {args.config} (or --quick)")
     args.config = args.config or ("smoke" if args.quick else "record")
     cfg = RUN_PRESETS[args.config]
+    if args.proposal:  # before the flags below, which still win
+        cfg = PROPOSALS[args.proposal].apply(cfg)
     overrides = {"data_path": args.data_path, "val_every": args.val_every, "val_tokens": args.val_tokens,
                  "label": args.label, "records_dir": args.records_dir, "max_steps": args.max_steps,
                  "seed": int(args.seed) if args.seed is not None else None}
@@ -248,7 +253,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
     records = records_folder(cfg)
     with RunRecorder(config=cfg.name, world_size=int(os.environ.get("WORLD_SIZE", 1)),
                      rank=int(os.environ.get("RANK", 0)), label=cfg.label, overrides=list(cfg.overrides),
-                     logs_dir=records / "logs", runs_path=records / "runs.jsonl") as rec, \
+                     logs_dir=records / "logs", runs_path=records / "runs.jsonl", proposal=cfg.proposal) as rec, \
             contextlib.ExitStack() as guards:
         log = rec.log
         setup = Setup(cfg)
@@ -258,9 +263,11 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         log.print0(f"config {cfg.name}: {setup.world_size} process(es) × {setup.accum} accumulation step(s) "
                    f"= {cfg.virtual_world_size} ranks of the recipe; device {setup.device}; backend {setup.backend}",
                    console=True)
+        if proposal_line(cfg):  # an open PR past the record: which, its features, its schedule
+            log.print0(proposal_line(cfg), console=True)
         if cfg.overrides:
             log.print0("config overrides: " + " ".join(f"--set {a}" for a in cfg.overrides), console=True)
-        if features_line(cfg.features):  # ablations: what each switched-off feature leaves out
+        if features_line(cfg.features):  # what differs from the record: features off, a proposal's on
             log.print0(features_line(cfg.features), console=True)
 
         run = Run(cfg, setup)
@@ -270,6 +277,8 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                    f"timeout {cfg.collective_timeout_s} s (collective_timeout_s)", console=True)
         if run.table_placement:
             log.print0(run.table_placement, console=True)
+        if run.token_norm is not None:  # what the hashes (and the copy matcher) read
+            log.print0(run.token_norm.line(), console=True)
         schedule = run.schedule
         n = schedule.total_steps
         log.print0(f"[schedule] stage ends={schedule.stage_ends} steps={n} split={schedule.split_step}", console=True)
@@ -303,7 +312,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                 torch.cuda.empty_cache()  # the eager warm-up calls' cached blocks; the graphs keep their pool
         log.print0(allocator_settings_line(setup.device), console=True)  # what the warmup's allocations got
         tails = TailAverages(run.manager, schedule)
-        loader = TrainLoader(train_glob, setup.virtual_ranks, cfg.virtual_world_size, **run.hash_sizes,
+        loader = TrainLoader(train_glob, setup.virtual_ranks, cfg.virtual_world_size, **run.hash_args,
                              virtual_seq_cap=cfg.schedule.virtual_seq_cap,
                              pin_memory=setup.device.type == "cuda" and run.batch_ring is None)  # the ring pins
         mask_build = CanonicalMaskBuild(cfg.model.vocab_size) if cfg.canonical_mask and setup.is_master else None

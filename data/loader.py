@@ -7,7 +7,8 @@ is dropped); rank 1 continues at the following BOS, and so on. Inputs are the fi
 the last T. Attention segments are the documents, further cut every `virtual_seq_cap` tokens (the
 run's schedule.virtual_seq_cap; masking only: the tokens are untouched). cu_seqlens has a fixed
 length per batch size (static shapes for compile and CUDA graphs). The n-gram row ids and sign rows
-are hashed here, on the host; a run without the n-gram table (features.ngram off) passes
+are hashed here, on the host (from each token's normalization class with `token_map`,
+features.token_norm_hashes); a run without the n-gram table (features.ngram off) passes
 `**NO_NGRAM`: nothing is hashed and its batches' n-gram fields are None.
 
     from data.loader import TrainLoader, val_batches
@@ -40,7 +41,7 @@ from data.shards import BOS_ID, check_token_ids, load_shard, read_shard, shard_n
 
 # ours: the loader's n-gram sizes for a model without the n-gram table (config.FeatureConfig.ngram
 # off): half_rows 0 means no hashing; the batches' ngram_ids and ngram_sign_rows are None.
-NO_NGRAM = {"ngram_half_rows": 0, "sign_pool_rows": 0}
+NO_NGRAM = {"ngram_half_rows": 0, "sign_pool_rows": 0, "token_map": None}
 
 # Attention segments are cut every schedule.virtual_seq_cap tokens inside a document (record #360: 2560,
 # track_1_short/config.py; config.py holds the value, a run passes its own); only reached when the doc
@@ -104,17 +105,19 @@ def padded_cu_seqlens(segment_ends: Sequence[int], tokens: int, rows: int, what:
 
 
 def _make_batch(buf: np.ndarray, segment_ends: Sequence[int], max_seq_len: int, half_rows: int,
-                pool_rows: int, pin_memory: bool, what: str) -> Batch:
-    """buf: (T+1,) token ids -> the Batch (host tensors)."""
+                pool_rows: int, token_map: np.ndarray | None, pin_memory: bool, what: str) -> Batch:
+    """buf: (T+1,) token ids -> the Batch (host tensors). token_map: the hashes read token_map[x]
+    instead of x (features.token_norm_hashes, PR #375: model/token_norm.py); the batch keeps raw ids."""
     inputs = buf[:-1].astype(np.int32)  # (T,)
     tokens = inputs.size
     hashed = half_rows > 0  # NO_NGRAM: a model without the n-gram table reads no hashes
+    keys = token_map[inputs] if hashed and token_map is not None else inputs  # (T,) int32: what the hashes read
     batch = Batch(
         inputs=torch.from_numpy(inputs),
         targets=torch.from_numpy(buf[1:].astype(np.int64)),
         cu_seqlens=padded_cu_seqlens(segment_ends, tokens, cu_seqlens_rows(tokens), what),
-        ngram_ids=ngram_row_ids(inputs, half_rows) if hashed else None,
-        ngram_sign_rows=ngram_sign_rows(inputs, pool_rows) if hashed else None,
+        ngram_ids=ngram_row_ids(keys, half_rows) if hashed else None,
+        ngram_sign_rows=ngram_sign_rows(keys, pool_rows) if hashed else None,
         max_seq_len=max_seq_len,
     )
     if pin_memory:  # page-locked, so the caller's .to(device, non_blocking=True) is asynchronous
@@ -185,7 +188,8 @@ class TrainLoader:
 
     def __init__(self, files: str | Sequence[str | Path], rank: int | Sequence[int], world_size: int, *,
                  virtual_seq_cap: int = VIRTUAL_SEQ_CAP, ngram_half_rows: int = NGRAM_HALF_ROWS,
-                 sign_pool_rows: int = NGRAM_SIGN_POOL_ROWS, prefetch: bool = True, pin_memory: bool = False):
+                 sign_pool_rows: int = NGRAM_SIGN_POOL_ROWS, token_map: np.ndarray | None = None,
+                 prefetch: bool = True, pin_memory: bool = False):
         self.files = _resolve_files(files, "training data")
         self.ranks = [rank] if isinstance(rank, int) else list(rank)
         if world_size < 1 or not self.ranks or any(not 0 <= r < world_size for r in self.ranks):
@@ -194,6 +198,7 @@ class TrainLoader:
         self.virtual_seq_cap = virtual_seq_cap
         self.ngram_half_rows = ngram_half_rows
         self.sign_pool_rows = sign_pool_rows
+        self.token_map = token_map
         self.pin_memory = pin_memory
         self._cursor = _Cursor(shard=0, next_bos=0)
         self._shards: dict[int, Future] = {}
@@ -244,7 +249,7 @@ class TrainLoader:
             ends = attention_segment_ends(lengths, self.virtual_seq_cap)
             what = f"training step {cursor.steps} rank {rank} ({shard.path})"
             batches.append(_make_batch(buf, ends, max_seq_len, self.ngram_half_rows, self.sign_pool_rows,
-                                       self.pin_memory, what))
+                                       self.token_map, self.pin_memory, what))
         after = _Cursor(shard_index, next_bos, cursor.steps + 1, cursor.tokens + self.world_size * tokens_per_rank)
         return batches, after
 
@@ -295,14 +300,16 @@ class TrainLoader:
 
 
 def dummy_batch(tokens_per_rank: int, doc_cap: int, *, seed: int = 0, virtual_seq_cap: int = VIRTUAL_SEQ_CAP,
-                ngram_half_rows: int = NGRAM_HALF_ROWS, sign_pool_rows: int = NGRAM_SIGN_POOL_ROWS) -> Batch:
+                ngram_half_rows: int = NGRAM_HALF_ROWS, sign_pool_rows: int = NGRAM_SIGN_POOL_ROWS,
+                token_map: np.ndarray | None = None) -> Batch:
     """A batch of random tokens with the geometry of a real one (documents of doc_cap tokens, the
     virtual cap, the padded cu_seqlens): the untimed warmup runs on these, never on the data."""
     rng = np.random.default_rng(seed)
     buf = rng.integers(0, BOS_ID, tokens_per_rank + 1).astype(np.uint16)  # (T+1,)
     buf[::doc_cap] = BOS_ID
     pieces = [min(doc_cap, tokens_per_rank - start) for start in range(0, tokens_per_rank, doc_cap)]
-    return _make_batch(buf, attention_segment_ends(pieces, virtual_seq_cap), min(doc_cap, virtual_seq_cap), ngram_half_rows, sign_pool_rows, False,
+    return _make_batch(buf, attention_segment_ends(pieces, virtual_seq_cap), min(doc_cap, virtual_seq_cap), ngram_half_rows, sign_pool_rows,
+                       token_map, False,
                        f"warmup batch of {tokens_per_rank} tokens")
 
 
@@ -312,7 +319,8 @@ def dummy_batch(tokens_per_rank: int, doc_cap: int, *, seed: int = 0, virtual_se
 
 def val_batches(files: str | Sequence[str | Path], rank: int, world_size: int, tokens_per_rank: int,
                 total_tokens: int, *, ngram_half_rows: int = NGRAM_HALF_ROWS,
-                sign_pool_rows: int = NGRAM_SIGN_POOL_ROWS, pin_memory: bool = False) -> Iterator[Batch]:
+                sign_pool_rows: int = NGRAM_SIGN_POOL_ROWS, token_map: np.ndarray | None = None,
+                pin_memory: bool = False) -> Iterator[Batch]:
     """The validation stream, unaligned (record #360: track_1_short/data.py): step s gives rank r the tokens
     [pos + r T, pos + (r+1) T + 1) with pos = s W T, from the start of the first file on every call.
     Segments run BOS to BOS (a BOS at position 0 gives an empty first segment); no doc cap.
@@ -342,6 +350,6 @@ def val_batches(files: str | Sequence[str | Path], rank: int, world_size: int, t
         buf = np.asarray(tokens[start:start + tokens_per_rank + 1])  # (T+1,)
         check_token_ids(paths[file_index], buf, offset=start)
         bos_positions = np.flatnonzero(buf[:-1] == BOS_ID).tolist()
-        yield _make_batch(buf, bos_positions, tokens_per_rank, ngram_half_rows, sign_pool_rows, pin_memory,
+        yield _make_batch(buf, bos_positions, tokens_per_rank, ngram_half_rows, sign_pool_rows, token_map, pin_memory,
                           f"validation step {step} rank {rank} ({paths[file_index]})")
         pos += step_tokens

@@ -37,7 +37,10 @@ Feature switches (config.FeatureConfig, `--set features.X=false`): without `ngra
 sign pool, no n-gram embedding and no n-gram injection (forward takes ngram_rows = ngram_sign_rows =
 None); without `value_embeds` no value_embeds / ve_gate_bank, nothing added to V but layer 10's MUDD
 mix, and the post-loop mix over its six other sources; without `prefix_loss` no prefix table; without
-`fp8` bf16 GEMMs and no fp8 caches. The gates and MUDD blocks keep the record's widths (their unused
+`fp8` bf16 GEMMs and no fp8 caches. Past the record (off by default): `doc_copy` (PR #378,
+model/doc_copy.py) matches each position's context earlier in its document, looks up the candidate's
+embedding row with the tokens' (2T rows) and adds the copy vector after the smear and before the
+final norm; `token_norm_hashes` (PR #375) changes only the loader's hashes. The gates and MUDD blocks keep the record's widths (their unused
 n-gram and value-embedding lanes are computed and dropped).
 
     python -m model.summary --config record    # every parameter and buffer, built on "meta"
@@ -54,10 +57,12 @@ from torch import Tensor, nn
 from config import FeatureConfig, ModelConfig, ScheduleConfig, switched_off_parameters
 from model import mudd as M
 from model.attention import AttnArgs, CausalSelfAttention
+from model.doc_copy import COPY_BUCKETS, COPY_SITE_INIT, copy_vector, doc_copy_features, hash_powers
 from model.embeddings import NUM_VALUE_EMBED_PLANES, SMEAR_CHANNELS, ngram_sign_pool, smear, value_embeddings
 from model.loss import LM_HEAD_INIT_STD, TransposedLinear, training_loss, validation_logits, validation_loss
 from model.mlp import NUM_MLP_SLOTS, PARALLEL_MLP_LAYER, PARALLEL_MLP_SLOT, mlp_slot_output
 from model.rotary import Yarn
+from model.token_norm import token_norm_map
 from perf.kernels.mlp import Fp8MLPState
 from perf.kernels.ngram_embed import ngram_embed
 from perf.residual_fusion import rms_norm_with_head, scale, scale_add
@@ -94,6 +99,9 @@ SA_LAMBDA_INIT = (0.5, 1.0)  # on the QKV weight, on the O weight
 SMEAR_LAMBDA_INDEX, SKIP_LAMBDA_INDEX = 2 * NUM_LAYERS, 2 * NUM_LAYERS + 1
 SKIP_LAMBDA_INIT = -1.5
 VALUE_EMBED_INIT_STD = 0.01
+# parameters kept in fp32 (record #360 casts every other one to the training dtype; PR #378 adds its three)
+FP32_PARAMETERS = ("post_lambdas", "resid_lambdas", "scalars", "mudd_gate_scale",
+                   "copy_doc_scale", "copy_doc_bucket_embed", "copy_doc_site")
 
 
 @dataclass
@@ -176,6 +184,10 @@ class GPT(nn.Module):
         self.smear_gate = nn.Linear(SMEAR_CHANNELS, 1, bias=False)
         nn.init.zeros_(self.smear_gate.weight)
         self.post_lambdas = nn.Parameter(torch.ones(NUM_LAYERS, 2))
+        if features.doc_copy:  # PR #378: here in its order, no random draw; the copy vector starts at 0
+            self.copy_doc_scale = nn.Parameter(torch.zeros(COPY_BUCKETS))  # [31]
+            self.copy_doc_bucket_embed = nn.Parameter(torch.zeros(COPY_BUCKETS, D))  # [31, D]
+            self.copy_doc_site = nn.Parameter(torch.tensor(COPY_SITE_INIT))  # [2]: input site, output site
         self.resid_lambdas = nn.Parameter(torch.full((NUM_LAYERS, 2), RESID_LAMBDA_INIT))
         scalars = torch.zeros(2 * NUM_LAYERS + 2)
         scalars[0: 2 * NUM_LAYERS: 2], scalars[1: 2 * NUM_LAYERS: 2] = SA_LAMBDA_INIT
@@ -192,7 +204,7 @@ class GPT(nn.Module):
         self.mudd_gate_b2 = nn.Parameter(M.mudd_gate_bias())
         # matrices in the training dtype (record #360 casts exactly this set); scalars stay fp32
         for name, p in self.named_parameters():
-            if name not in ("post_lambdas", "resid_lambdas", "scalars", "mudd_gate_scale"):
+            if name not in FP32_PARAMETERS:
                 p.data = p.data.to(dtype)
         # Layer 7 has no MLP, so its bank slot (slot i serves layer i) is never read. The optimizer
         # (optim/manager.py) reads this set of indices into the bank's [24, H_mlp, D] matrix view,
@@ -206,6 +218,17 @@ class GPT(nn.Module):
         # A None buffer is neither in state_dict() nor in named_buffers().
         self.register_buffer("ngram_sign_pool", ngram_sign_pool(cfg).to(dtype) if features.ngram else None)
         self.register_buffer("prefix_table", torch.full((V,), -1, dtype=torch.long) if features.prefix_loss else None,
+                             persistent=False)
+        # DocCopy's constants (PR #378): the normalization map the matcher compares contexts in, the
+        # hash's power tables, and the mask that keeps bucket 0 (no match) at zero
+        if features.doc_copy and not features.token_norm_hashes:
+            raise ValueError("GPT: features.doc_copy needs features.token_norm_hashes (PR #378 is stacked on #375)")
+        pow_fwd, pow_bwd = hash_powers() if features.doc_copy else (None, None)
+        self.register_buffer("token_norm_map", torch.tensor(token_norm_map(V).ids) if features.doc_copy else None,
+                             persistent=False)
+        self.register_buffer("copy_pow_fwd", pow_fwd, persistent=False)
+        self.register_buffer("copy_pow_bwd", pow_bwd, persistent=False)
+        self.register_buffer("copy_doc_live", (torch.arange(COPY_BUCKETS) > 0).float() if features.doc_copy else None,
                              persistent=False)
         self.yarn = Yarn(cfg.narrow_head_dim, cfg.narrow_head_dim, NARROW_ATTN_SCALE)
         self.yarn_paired = Yarn(cfg.narrow_head_dim, cfg.narrow_head_dim, NARROW_ATTN_SCALE, paired=True)
@@ -312,8 +335,12 @@ class GPT(nn.Module):
         use_fp8 = step.training and self.fp8
         fp8_state = self.mlp_fp8 if use_fp8 else None
 
-        # --- preamble: embeddings, smear, x0, the pre gate ---
-        x = self.embed(inputs)  # (T, D)
+        # --- preamble: embeddings (with the copy candidates' rows), smear, the copy vector, x0, the pre gate ---
+        if features.doc_copy:  # one lookup of 2T rows: the tokens, then their copy candidates (PR #378)
+            candidate, bucket = doc_copy_features(inputs, self.token_norm_map, self.copy_pow_fwd, self.copy_pow_bwd)
+            x, copied = self.embed(torch.cat([inputs, candidate.clamp_min(0).to(inputs.dtype)])).split(T)  # 2 × (T, D)
+        else:
+            x = self.embed(inputs)  # (T, D)
         dt = x.dtype
         r_attn, r_mlp = self.resid_lambdas.to(dt).unbind(1)  # record #360: λ's cast once per forward
         p_attn, p_mlp = self.post_lambdas.to(dt).unbind(1)
@@ -325,6 +352,11 @@ class GPT(nn.Module):
         attn_w = self.attn_weights()
         mlp_w = [slot.unbind(0) for slot in self.mlp_bank.unbind(0)]  # 12 × (c_fc, c_proj)
         x = smear(x, self.smear_gate.weight, self.scalars[SMEAR_LAMBDA_INDEX])
+        copy_out = None
+        if features.doc_copy:  # inside x0: it reaches the gates, the residual start and every x0 injection
+            v = copy_vector(copied, bucket, self.copy_doc_scale, self.copy_doc_bucket_embed, self.copy_doc_live)
+            site = self.copy_doc_site.to(dt)
+            x, copy_out = x + site[0] * v, site[1] * v  # (T, D), (T, D)
         x0 = norm(x)
         pre = self.gate_lanes(x0, 0, M.PRE_GATE_LANES)  # (T, 23)
         xsa = {layer: pre[:, s] for layer, s in M.PRE_GATE_XSA.items()}
@@ -431,7 +463,10 @@ class GPT(nn.Module):
             sources = [cache[0], cache[7], cache[9], cache[3], mlp_input_last, late_input[0]]
             keep = list(POST_LOOP_SOURCES_WITHOUT_VE)
             mu_post, delta = mu_post[:, keep], delta[:, keep]  # (T, 6), (T, 6, 12)
-        x = norm(M.post_loop_mix(x, sources, mu_post, delta))  # (T, D)
+        x = M.post_loop_mix(x, sources, mu_post, delta)  # (T, D)
+        if copy_out is not None:  # DocCopy's output site, before the final norm
+            x = x + copy_out
+        x = norm(x)
 
         if not step.training:
             if step.logits:  # evaluate.py: log-probabilities and next tokens (no canonical mask)

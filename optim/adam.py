@@ -64,7 +64,18 @@ def param_table(features: tuple[Feature, ...] = FEATURES) -> dict[str, ParamRule
     return table
 
 
-RECORD_PARAM_TABLE: dict[str, ParamRule] = param_table()
+# the record's rows (its features'); and every declared feature's, a proposal's too
+RECORD_PARAM_TABLE: dict[str, ParamRule] = param_table(tuple(f for f in FEATURES if f.default))
+PARAM_TABLE: dict[str, ParamRule] = param_table(FEATURES)
+
+
+def run_param_table(features) -> dict[str, ParamRule]:
+    """The table of a run with these switches (training.Run): the record's rows, plus those of each
+    feature past the record it switches on (its record features switched off are the manager's
+    `absent`, GPT.switched_off_parameters)."""
+    added = [f.name for f in FEATURES if not f.default and getattr(features, f.name)]
+    return RECORD_PARAM_TABLE if not added else {**RECORD_PARAM_TABLE, **{
+        n: PARAM_TABLE[n] for f in FEATURES if f.name in added for n in f.param_names}}
 VALUE_EMBEDS = "value_embeds"
 LM_HEAD = "lm_head.weight"
 EMBED = "embed.weight"

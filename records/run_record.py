@@ -21,7 +21,8 @@ from records.runs_log import DEFAULT_RUNS_PATH, RunRecord, append_run, new_run_i
 class RunRecorder:
     def __init__(self, config: str, world_size: int, rank: int = 0, device: str | None = None,
                  label: str = "", run_id: str | None = None, logs_dir: Path | str = DEFAULT_LOGS_DIR,
-                 runs_path: Path | str = DEFAULT_RUNS_PATH, console: bool = True, overrides: list[str] | None = None):
+                 runs_path: Path | str = DEFAULT_RUNS_PATH, console: bool = True, overrides: list[str] | None = None,
+                 proposal: str = ""):
         self.is_master = rank == 0
         self.runs_path = Path(runs_path)
         self.log = RunLog(run_id or new_run_id(), logs_dir=logs_dir, enabled=self.is_master, console=console)
@@ -29,7 +30,7 @@ class RunRecorder:
             run_id=self.log.run_id, started=now_iso(), config=config, world_size=world_size,
             device=device or ", ".join(sorted(set(device_names()))), git_commit=self.log.git_commit,
             git_dirty=self.log.git_dirty, status="failed", log_path=str(self.log.path), label=label,
-            overrides=overrides or None)
+            overrides=overrides or None, proposal=proposal)
         self._finished = False
 
     def progress(self, step: int, train_time_ms: float | None = None) -> None:

@@ -66,6 +66,7 @@ class RunRecord:
     # every PRINT_EVERY-th step on a GPU, every step on CPU or with --log-train-loss); a failed run's
     # holds the points read before it stopped; None in lines written before it existed
     train_curve: list[list[float]] | None = None
+    proposal: str = ""  # train_gpt.py --proposal NAME (config.PROPOSALS): the open PR the run reproduces
 
     def __post_init__(self):
         if self.status not in STATUSES:

@@ -17,7 +17,7 @@ import glob
 import os
 from pathlib import Path
 
-from config import NGRAM_TABLE_PLACEMENTS, ConfigError, RunConfig
+from config import NGRAM_TABLE_PLACEMENTS, ConfigError, RunConfig, feature_problems
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -228,6 +228,7 @@ def check_run(cfg: RunConfig, args: argparse.Namespace, env=os.environ) -> None:
         problems.append(f"--val-tokens {cfg.val_tokens}: must be a positive multiple of one validation step, "
                         f"{cfg.val_batch_tokens:,} tokens ({cfg.virtual_world_size} ranks × {per_rank:,}); "
                         f"try --val-tokens {fix}")
+    problems += feature_problems(cfg.features)  # a switch whose requirements are off
     if cfg.optim.bank_optimizer not in ("anvil", "normuon"):
         problems.append(f"optim.bank_optimizer={cfg.optim.bank_optimizer}: must be anvil (record #360) or normuon "
                         f"(record #89)")

@@ -29,8 +29,10 @@ from data.ngram import ngram_hash_sizes
 from model.embeddings import NgramTable, ngram_shard_range
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
+from model.token_norm import token_norm_map
 from perf import backend as perf_backend
 from perf.kernels.mlp import FP8_EXACT_SCALE_CALLS, roll_delayed_scales
+from optim.adam import run_param_table
 from optim.lanes import Lanes
 from optim.manager import NgramRowOptimizer, OptimizerManager
 from optim.row_exchange import RowExchange
@@ -142,7 +144,8 @@ class Run:
         # keep_grads: gradients zeroed in place, never released (a captured backward adds into them)
         # defer_gathers (SPEEDRUN_DEFERRED_GATHERS): the bank all-gathers run between steps (`flush`)
         # (a rank on "meta" has no process group: it shards as its Setup says)
-        self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim, keep_grads=True,
+        self.manager = OptimizerManager(self.model.named_parameters(), self.schedule, cfg.optim, table=run_param_table(features),
+                                        keep_grads=True,
                                         layout=(setup.rank, setup.world_size) if on_meta else None,
                                         defer_gathers=setup.backend.deferred_gathers,
                                         absent=self.model.switched_off_parameters, local_ranks=setup.accum)
@@ -170,7 +173,11 @@ class Run:
         self.model.refresh_fp8()  # the fp8 weight caches, before the first training forward
         self.forward = compile_model(self.model, setup.backend)  # fullgraph; the module itself when not compiling
         # the loader's n-gram hashes match the model's tables (none without the table)
-        self.hash_sizes = ngram_hash_sizes(cfg.model) if features.ngram else NO_NGRAM
+        # (with features.token_norm_hashes, over each token's normalization class: PR #375's map, built
+        # here before the clock and checked against its digest, model/token_norm.py)
+        self.token_norm = token_norm_map(cfg.model.vocab_size) if features.token_norm_hashes else None
+        self.hash_args = {**ngram_hash_sizes(cfg.model), "token_map": self.token_norm.ids if self.token_norm else None} \
+            if features.ngram else NO_NGRAM
         # CUDA graphs (SPEEDRUN_CUDA_GRAPHS): train_step runs each capturable region through
         # run_region(name, key, fn); the warmup captures every key, the timed loop replays
         # (perf/cuda_graphs/capture.py; on CPU its twin). tools/capture_contract.py swaps its checker in as region_runner.
@@ -463,7 +470,7 @@ class Run:
         def batches(step: int) -> list:
             tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
             return [dummy_batch(tokens, schedule.doc_cap(step), seed=step, virtual_seq_cap=cfg.schedule.virtual_seq_cap,
-                                **self.hash_sizes)
+                                **self.hash_args)
                     for _ in self.setup.virtual_ranks]
 
         # one order of collectives on every rank (runtime/collective_order.py): each collective of the
@@ -512,7 +519,7 @@ class Run:
         """One validation step of random tokens with the real validation geometry (one segment per
         rank, no doc cap): what the warmup compiles the validation forward on."""
         per_rank = self.cfg.val_batch_tokens // self.cfg.virtual_world_size
-        return [[dummy_batch(per_rank, per_rank, seed=r, virtual_seq_cap=per_rank, **self.hash_sizes)]
+        return [[dummy_batch(per_rank, per_rank, seed=r, virtual_seq_cap=per_rank, **self.hash_args)]
                 for r in self.setup.virtual_ranks]
 
     def reset(self) -> None:
@@ -548,7 +555,7 @@ class Run:
         """Every validation batch this process evaluates (read on the clock, record #360)."""
         cfg = self.cfg
         per_rank = cfg.val_batch_tokens // cfg.virtual_world_size
-        return [list(val_batches(val_glob, r, cfg.virtual_world_size, per_rank, cfg.val_tokens, **self.hash_sizes))
+        return [list(val_batches(val_glob, r, cfg.virtual_world_size, per_rank, cfg.val_tokens, **self.hash_args))
                 for r in self.setup.virtual_ranks]
 
     @torch.no_grad()

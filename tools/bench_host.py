@@ -384,7 +384,7 @@ def bench(cfg, start: int, steps: int, warmup_steps: int, device_ms: float = 0.0
         with tempfile.TemporaryDirectory() as tmp:
             shard = Path(tmp) / "synthetic_train_000001.bin"
             text_like_shard(shard, int(1.3 * tokens) + 100_000, seed=seed)  # documents cut at the doc cap: spare
-            loader = TrainLoader([shard], [0], world, **run.hash_sizes, pin_memory=False,  # the ring pins
+            loader = TrainLoader([shard], [0], world, **run.hash_args, pin_memory=False,  # the ring pins
                                  virtual_seq_cap=run.cfg.schedule.virtual_seq_cap)
 
             def next_batches(step: int):

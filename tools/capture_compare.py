@@ -43,7 +43,7 @@ def train_steps(config: str, steps: int, graphed: bool, seed: int = 0):
                 return None
             tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
             return [dummy_batch(tokens, schedule.doc_cap(step), seed=1000 * step + r,
-                                virtual_seq_cap=cfg.schedule.virtual_seq_cap, **run.hash_sizes)
+                                virtual_seq_cap=cfg.schedule.virtual_seq_cap, **run.hash_args)
                     for r in run.setup.virtual_ranks]
 
         following = batches(0)

@@ -363,7 +363,7 @@ def check_run(run, steps: int, start: int = 0, checker: ContractChecker | None =
         if loader is not None:
             return loader.next_batches(tokens, schedule.doc_cap(step))
         return [dummy_batch(tokens, schedule.doc_cap(step), seed=1000 * step + r,
-                            virtual_seq_cap=cfg.schedule.virtual_seq_cap, **run.hash_sizes)
+                            virtual_seq_cap=cfg.schedule.virtual_seq_cap, **run.hash_args)
                 for r in run.setup.virtual_ranks]
 
     try:
@@ -426,7 +426,7 @@ def main(argv=None) -> int:
         loader = None
         if args.data_path is not None:
             train_glob, _ = shard_globs(cfg)
-            loader = TrainLoader(train_glob, run.setup.virtual_ranks, run.cfg.virtual_world_size, **run.hash_sizes,
+            loader = TrainLoader(train_glob, run.setup.virtual_ranks, run.cfg.virtual_world_size, **run.hash_args,
                                  virtual_seq_cap=run.cfg.schedule.virtual_seq_cap)
         try:
             checker = check_run(run, args.steps, loader=loader)

@@ -96,7 +96,8 @@ def rank_piece(cfg: RunConfig) -> tuple:
     run, model = rank.run, rank.model
     return ([(n, tuple(t.shape), t.dtype) for n, t in [*model.named_parameters(), *model.named_buffers()]],
             model.block_size, model.fp8, model.fused_residuals,
-            None if run.table is None else tuple(run.table.rows.shape), run.hash_sizes, len(run.samplers),
+            None if run.table is None else tuple(run.table.rows.shape),
+            {**run.hash_args, "token_map": run.token_norm and run.token_norm.sha256}, len(run.samplers),
             run.setup.virtual_ranks, rank.canonical_mask is not None)
 
 
@@ -164,7 +165,8 @@ PROBES = {
     "optim.ngram_wd_mul": (4.0, O),
     "features.ngram": (False, R), "features.value_embeds": (False, R), "features.sampled_softmax": (False, R),
     "features.mtp": (False, S), "features.prefix_loss": (False, R), "features.fp8": (False, R),
-    "features.residual_fusions": (False, R),
+    "features.residual_fusions": (False, R), "features.token_norm_hashes": (True, R),
+    "features.doc_copy": (True, R, {"features.token_norm_hashes": True}),
     "device": ("cuda", C), "virtual_world_size": (4, R), "allowed_world_sizes": ((1,), C),
     "requires_fast_path": (True, fast_path_piece), "data_path": ("elsewhere", C), "train_pattern": ("a_*.bin", C),
     "val_pattern": ("b_*.bin", C), "canonical_mask": (True, R), "seed": (1, seeded_piece),
@@ -174,7 +176,7 @@ PROBES = {
 OUTLINE_FIELDS = {"val_tokens", "val_batch_tokens", "val_every", "warmup", "label", "log_train_loss",
                   "save_checkpoint", "max_steps", "collective_timeout_s", "ngram_table"}
 # not set by --set: the preset's name (--config) and the record of the --set flags
-REFUSED = {"name", "overrides"}
+REFUSED = {"name", "overrides", "proposal"}
 
 
 def _changed(cfg: RunConfig, path: str, value, others: dict | None = None) -> RunConfig:

@@ -36,22 +36,40 @@ VALUE_EMBED_ROWS = {
 }
 
 
+# the rows features.doc_copy declares, as PR #378's track_1_short/training.py lists them (frontier_doc_copy.md §2.5)
+DOC_COPY_ROWS = {name: _adam((0.9, 0.99), wd_mul=0.0)
+                 for name in ("copy_doc_scale", "copy_doc_bucket_embed", "copy_doc_site")}
+
+
 def test_the_record_declarations_make_the_switches_the_table_and_the_doc():
     assert [f.name for f in dataclasses.fields(FeatureConfig)] == [f.name for f in FEATURES]
     assert all(f.type is bool and f.default is d.default for f, d in zip(dataclasses.fields(FeatureConfig), FEATURES))
-    assert adam.RECORD_PARAM_TABLE == adam.param_table(FEATURES)
-    assert {p: r for f in FEATURES for p, r in f.params} == VALUE_EMBED_ROWS  # only value_embeds adds parameters
+    record = tuple(f for f in FEATURES if f.default)
+    assert [f.name for f in FEATURES if not f.default] == ["token_norm_hashes", "doc_copy"]  # past the record
+    assert adam.RECORD_PARAM_TABLE == adam.param_table(record)
+    assert adam.PARAM_TABLE == adam.param_table(FEATURES)
+    assert {p: r for f in record for p, r in f.params} == VALUE_EMBED_ROWS  # of the record's, only value_embeds adds
     assert adam.RECORD_PARAM_TABLE.keys() - adam.BASE_PARAM_TABLE.keys() == VALUE_EMBED_ROWS.keys()
+    assert adam.PARAM_TABLE.keys() - adam.RECORD_PARAM_TABLE.keys() == DOC_COPY_ROWS.keys()
+    assert {p: adam.PARAM_TABLE[p] for p in DOC_COPY_ROWS} == DOC_COPY_ROWS
     owned = {p: f.name for f in FEATURES for p in f.param_names}
-    assert owned == {"value_embeds": "value_embeds", "ve_gate_bank": "value_embeds"}
-    # every feature-owned parameter is one the record model has, in its order
+    assert owned == {"value_embeds": "value_embeds", "ve_gate_bank": "value_embeds",
+                     **{p: "doc_copy" for p in DOC_COPY_ROWS}}
+    # every record feature's parameter is one the record model has, in its order
     with torch.device("meta"):
         names = [n for n, _ in GPT(SMOKE.model).named_parameters()]
     assert [n for n in names if n in owned] == ["value_embeds", "ve_gate_bank"]
     assert sorted(names) == sorted(adam.RECORD_PARAM_TABLE)
     line = features_line(FeatureConfig(value_embeds=False, fp8=False))
     assert line == ("features: value_embeds off (no value_embeds/ve_gate_bank, no value embeddings on V or in the "
-                    "MUDD mix), fp8 off (bf16 GEMMs, no fp8 caches) (the record has every feature on)")
+                    "MUDD mix), fp8 off (bf16 GEMMs, no fp8 caches) (the record has its features on and none past it)")
+    assert features_line(FeatureConfig(token_norm_hashes=True)) == (
+        "features: token_norm_hashes on (n-gram hashes over normalized token classes) (the record has its features "
+        "on and none past it)")
+    assert FeatureConfig(fp8=False, doc_copy=True).off() == ["fp8"]
+    assert FeatureConfig(fp8=False, doc_copy=True).added() == ["doc_copy"]
+    with pytest.raises(ValueError, match="requires must name other declared features"):
+        config.feature_config_class(FEATURES + (dataclasses.replace(FEATURES[-1], name="x", params=(), requires=("y",)),))
     with pytest.raises(ValueError, match="names must be distinct"):
         config.feature_config_class(FEATURES + FEATURES[:1])
     with pytest.raises(ValueError, match="a parameter belongs to one feature"):
@@ -96,8 +114,9 @@ def _declare(monkeypatch, feature: Feature):
     monkeypatch.setattr(config, "FeatureConfig", feature_config)
     monkeypatch.setitem(config.RUN_PRESETS, "smoke", dataclasses.replace(SMOKE, features=feature_config()))
     table = adam.param_table(features)
-    for name in table.keys() - adam.RECORD_PARAM_TABLE.keys():
+    for name in table.keys() - adam.PARAM_TABLE.keys():  # a record feature: both tables get its rows
         monkeypatch.setitem(adam.RECORD_PARAM_TABLE, name, table[name])
+        monkeypatch.setitem(adam.PARAM_TABLE, name, table[name])
     return feature_config
 
 
@@ -147,7 +166,7 @@ def test_a_toy_switch_declared_once_trains_on_and_off(tmp_path, tiny_shards, mon
     assert "toy_bias" in on_names and [n for n in on_names if n != "toy_bias"] == off_names  # the record's, in order
     assert list(on_run.manager.entries) == on_names and list(off_run.manager.entries) == off_names
     (line,) = re.findall(r"^features: .*$", off_log, re.M)
-    assert line == "features: toy_bias off (no toy bias) (the record has every feature on)"
+    assert line == "features: toy_bias off (no toy bias) (the record has its features on and none past it)"
     # the zero-scaled bias changes nothing: the same losses bit for bit (and the record's parameters
     # were drawn in the record's order)
     assert len(on["train_losses"]) == 3 and on["train_losses"] == off["train_losses"]

@@ -27,6 +27,7 @@ from tests.tiny_shards import write_tiny_shards
 
 SMOKE = RUN_PRESETS["smoke"]
 FEATURES = [f.name for f in dataclasses.fields(FeatureConfig)]
+RECORD_FEATURES = [f.name for f in DECLARED if f.default]  # the record's, on by default; the rest are proposals'
 ALL_OFF = FeatureConfig(**{name: False for name in FEATURES})
 
 
@@ -41,7 +42,7 @@ def _run(features: FeatureConfig, **overrides) -> training.Run:
 
 def _batches(run: training.Run, step: int) -> list:
     tokens = run.schedule.batch_tokens(step) // run.cfg.virtual_world_size
-    return [dummy_batch(tokens, run.schedule.doc_cap(step), seed=10 * step + r, **run.hash_sizes)
+    return [dummy_batch(tokens, run.schedule.doc_cap(step), seed=10 * step + r, **run.hash_args)
             for r in run.setup.virtual_ranks]
 
 
@@ -68,10 +69,10 @@ def test_every_switch_defaults_to_the_record_and_is_set_from_the_command_line():
     for preset in RUN_PRESETS.values():
         assert preset.features == FeatureConfig() and FeatureConfig().off() == []
     assert features_line(FeatureConfig()) is None  # the record logs no features line
-    for name in FEATURES:
-        cfg = apply_overrides(SMOKE, [f"features.{name}=false"])
-        assert cfg.features.off() == [name]
-        assert features_line(cfg.features).startswith(f"features: {name} off (")
+    for f in DECLARED:  # the record's features switch off; those past it (a proposal's) switch on
+        cfg = apply_overrides(SMOKE, [f"features.{f.name}={'false' if f.default else 'true'}"])
+        assert (cfg.features.off(), cfg.features.added()) == (([f.name], []) if f.default else ([], [f.name]))
+        assert features_line(cfg.features).startswith(f"features: {f.name} {'off' if f.default else 'on'} (")
     with pytest.raises(ConfigError, match="FeatureConfig has no field 'ngrm' \\(did you mean ngram\\?\\)"):
         apply_overrides(SMOKE, ["features.ngrm=false"])
     with pytest.raises(ConfigError, match="'maybe' is not a bool"):
@@ -89,7 +90,7 @@ def test_ngram_off_allocates_no_table_exchange_sign_pool_or_hashes(monkeypatch):
     run = _run(_only_off("ngram"))
     assert run.table is None and run.exchange is None and run.ngram_opt is None
     assert run.model.ngram_sign_pool is None and "ngram_sign_pool" not in dict(run.model.named_buffers())
-    assert run.hash_sizes == NO_NGRAM
+    assert run.hash_args == NO_NGRAM
     batch = _batches(run, 0)[0]
     assert batch.ngram_ids is None and batch.ngram_sign_rows is None
     from perf.cuda_graphs.state import run_state
@@ -301,7 +302,7 @@ def test_a_smoke_run_with_every_switch_off_builds_none_of_them(tmp_path, tiny_sh
     _forbid(monkeypatch, train_gpt, "build_prefix_table", "build_prefix_table_sharded")
     _forbid(monkeypatch, model.gpt, "ngram_embed", "value_embeddings")
     _forbid(monkeypatch, CandidateSampler, "candidates")
-    flags = [a for name in FEATURES for a in ("--set", f"features.{name}=false")]
+    flags = [a for name in RECORD_FEATURES for a in ("--set", f"features.{name}=false")]
     small = ["--set", "schedule.stages.0.batch_tokens=256", "--set", "val_batch_tokens=512"]  # a quarter of the CPU work
     train_gpt.main(["--config", "smoke", "--records-dir", str(tmp_path), "--data-path", str(tiny_shards), "--no-warmup",
                     "--max-steps", "1", "--val-every", "0", "--val-tokens", "512", "--seed", "0", *flags, *small])
@@ -311,7 +312,7 @@ def test_a_smoke_run_with_every_switch_off_builds_none_of_them(tmp_path, tiny_sh
     (line,) = re.findall(r"^features: .*$", log, re.M)
     assert line.startswith("features: ngram off (no n-gram table, row exchange, row optimizer, sign pool or "
                            "injections), value_embeds off (")
-    assert all(f"{name} off (" in line for name in FEATURES)
+    assert all(f"{name} off (" in line for name in RECORD_FEATURES) and " on (" not in line
     assert re.search(r"^step:1/70 train_loss:[0-9.]+$", log, re.M) and np.isfinite(entry["val_loss"])
 
 

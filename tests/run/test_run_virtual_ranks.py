@@ -53,7 +53,7 @@ FP8_WORKER = textwrap.dedent("""
     run = training.Run(cfg, setup)
     for step in range(4):
         tokens = run.schedule.batch_tokens(step) // cfg.virtual_world_size
-        run.train_step(step, [dummy_batch(tokens, run.schedule.doc_cap(step), seed=1000 * step + r, **run.hash_sizes)
+        run.train_step(step, [dummy_batch(tokens, run.schedule.doc_cap(step), seed=1000 * step + r, **run.hash_args)
                               for r in setup.virtual_ranks])
     run.flush()  # the last refresh: every (virtual) rank rolls its amaxes into its scales
     state = run.model.mlp_fp8.delayed_state()

@@ -19,7 +19,7 @@ def run():
 
 def batches(run, step: int, seed: int = 0) -> list:
     tokens = run.schedule.batch_tokens(step) // run.cfg.virtual_world_size
-    return [dummy_batch(tokens, run.schedule.doc_cap(step), seed=100 * step + 10 * seed + r, **run.hash_sizes)
+    return [dummy_batch(tokens, run.schedule.doc_cap(step), seed=100 * step + 10 * seed + r, **run.hash_args)
             for r in run.setup.virtual_ranks]
 
 
