@@ -64,13 +64,25 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
                              "(e.g. --set features.ngram=false; repeatable)")
 
 
-def preset_run_config(name: str, assignments: list[str]) -> RunConfig:
-    """RUN_PRESETS[name] with the --set assignments applied (ConfigError naming each bad one)."""
+def add_proposal_argument(parser: argparse.ArgumentParser) -> None:
+    """--proposal NAME: an open PR past the record as it ran (config.PROPOSALS), as train_gpt.py takes it."""
+    from config import PROPOSALS
+
+    parser.add_argument("--proposal", default=None, choices=sorted(PROPOSALS),
+                        help="an open upstream PR past the record, as it ran: its features on and its base steps on "
+                             "the record's schedule (config.PROPOSALS; --set still wins)")
+
+
+def preset_run_config(name: str, assignments: list[str], proposal: str | None = None) -> RunConfig:
+    """RUN_PRESETS[name], with a proposal's features and schedule (config.PROPOSALS) and then the --set
+    assignments applied (ConfigError naming each bad one), as train_gpt.py builds its config."""
     from dataclasses import replace
 
-    from config import RUN_PRESETS
+    from config import PROPOSALS, RUN_PRESETS
 
     cfg = RUN_PRESETS[name]
+    if proposal:
+        cfg = PROPOSALS[proposal].apply(cfg)
     return replace(apply_overrides(cfg, assignments), overrides=tuple(assignments)) if assignments else cfg
 
 
@@ -86,11 +98,12 @@ def parse_preset_args(prog: str, description: str, argv, presets, world_size_hel
         parser.add_argument("--config", default="record", choices=sorted(presets))
         parser.add_argument("--world-size", type=positive_int, default=world_size_default, help=world_size_help)
         add_set_argument(parser)
+        add_proposal_argument(parser)
         args = parser.parse_args(argv)
         if ranks_of is not None and args.world_size is not None and ranks_of(args.config) % args.world_size:
             raise ConfigError(f"--world-size {args.world_size}: must divide --config {args.config}'s "
                               f"{ranks_of(args.config)} ranks")
-        args.run_config = preset_run_config(args.config, args.assignments)
+        args.run_config = preset_run_config(args.config, args.assignments, args.proposal)
     return args
 
 

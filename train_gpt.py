@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cli import ArgumentParser, apply_overrides, exit_on_config_error
+from cli import ArgumentParser, add_proposal_argument, apply_overrides, exit_on_config_error
 from config import PROPOSALS, RUN_PRESETS, ConfigError, RunConfig, features_line, proposal_line
 from data.loader import TrainLoader
 from model.canonical_mask import CanonicalMaskBuild
@@ -63,9 +63,7 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
                                  epilog="Presets: record (8×H100, the #360 recipe; refuses anything else), dev (1-8 "
                                         "CUDA GPUs, same recipe, gradient accumulation), smoke (CPU/gloo, minutes).")
     ap.add_argument("--config", default=None, choices=sorted(RUN_PRESETS), help="preset (default: record; smoke with --quick)")
-    ap.add_argument("--proposal", default=None, choices=sorted(PROPOSALS),
-                    help="an open upstream PR past the record, as it ran: its features on and its base steps on the "
-                         "record's schedule (config.PROPOSALS; --steps and --set still win)")
+    add_proposal_argument(ap)  # --proposal NAME (config.PROPOSALS); --steps and --set still win
     ap.add_argument("--quick", action="store_true",
                     help="the one-minute check of a change: the smoke preset, no warmup, the steps up to 2 past the first "
                          "stage transition, one validation step at the end (explicit flags still win)")

@@ -51,13 +51,14 @@ HASH_MUL, DOC_MUL, LEN_MUL = as_int64(_HASH_MUL), as_int64(_DOC_MUL), as_int64(_
 
 
 def hash_powers(n: int = COPY_MAX_TOKENS) -> tuple[Tensor, Tensor]:
-    """(M^t, M^−t) for t < n, int64 [n] each (mod 2^64): the model's constant buffers."""
+    """(M^t, M^−t) for t < n, int64 [n] each (mod 2^64): the model's constant buffers, made on the
+    current default device (a model built under a device context gets them there)."""
     fwd = np.full(n, _HASH_MUL, dtype=np.uint64)
     bwd = np.full(n, pow(_HASH_MUL, -1, 1 << 64), dtype=np.uint64)
     fwd[0] = bwd[0] = 1
     with np.errstate(over="ignore"):  # uint64 products wrap mod 2^64, as the hash wants
         fwd, bwd = np.cumprod(fwd, dtype=np.uint64), np.cumprod(bwd, dtype=np.uint64)
-    return torch.from_numpy(fwd.view(np.int64).copy()), torch.from_numpy(bwd.view(np.int64).copy())
+    return torch.tensor(fwd.view(np.int64)), torch.tensor(bwd.view(np.int64))
 
 
 def window_keys(tokens: Tensor, norm_map: Tensor, pow_fwd: Tensor, pow_bwd: Tensor) -> tuple[Tensor, Tensor]:
@@ -72,10 +73,12 @@ def window_keys(tokens: Tensor, norm_map: Tensor, pow_fwd: Tensor, pow_bwd: Tens
     y = norm_map[x].long() + 1  # (T,) normalized ids, never 0
     prefix = torch.cat([torch.zeros(1, dtype=torch.long, device=tokens.device),
                         torch.cumsum(y * pow_bwd[:T], 0)])  # (T+1,) S[t−1], wrapping
-    lengths = torch.tensor(COPY_LENGTHS, device=tokens.device)  # (K,)
-    starts = pos[None, :] - lengths[:, None] + 1  # (K, T) first position of each window
+    # (K, T): each window's first position, and its length's salt (Python ints: no tensor made from a
+    # host list inside the compiled graph, which a CUDA graph could not capture)
+    starts = torch.stack([pos - (L - 1) for L in COPY_LENGTHS])
+    salts = torch.stack([torch.full_like(pos, as_int64(L * _LEN_MUL)) for L in COPY_LENGTHS])
     hashes = pow_fwd[:T][None, :] * (prefix[None, 1:] - prefix[starts.clamp_min(0)])  # (K, T) H_L(t)
-    keys = hashes ^ (lengths * LEN_MUL)[:, None] ^ (doc * DOC_MUL)[None, :]
+    keys = hashes ^ salts ^ (doc * DOC_MUL)[None, :]
     valid = starts >= doc_start[None, :]
     return torch.where(valid, keys, -1 - pos[None, :]), valid
 

@@ -62,6 +62,8 @@ def format_summary(cfg: ModelConfig, model: GPT, world_size: int = 8) -> str:
         lines.append("n-gram table: none (features.ngram off: no table, sign pool or row exchange)")
     if model.features.off():
         lines.append(f"switched off: {', '.join(model.features.off())} (config.FeatureConfig)")
+    if model.features.added():
+        lines.append(f"past the record, on: {', '.join(model.features.added())} (config.FeatureConfig)")
     return "\n".join(lines)
 
 

@@ -270,6 +270,7 @@ def format_stage_table(sched: TrainingSchedule, world_size: int = 8) -> str:
             f"from {cfg.table_period4_step}",
             f"final validation windows (blocks of {cfg.block_size}) {sched.final_windows()}",
             *([f"switched off: {', '.join(sched.features.off())} (config.FeatureConfig)"] if sched.features.off() else []),
+            *([f"past the record, on: {', '.join(sched.features.added())}"] if sched.features.added() else []),
             ""]
     header = (f"{'#':>2} {'steps':>11} {'batch':>8} {'/rank':>7} {'doc cap':>7} {'ws (s,l)':>9} "
               f"{'lr_mult start->end':>19}  {'MTP start -> end':<34} {'prefix':<22} P")

@@ -390,6 +390,10 @@ class GeometryCost:
     hbm_bytes: dict[str, int]  # estimated traffic outside the model's forward and backward
     traffic: Traffic | None = None  # bytes per process and step, counted
     params: dict[str, int] | None = None  # the parameters the step's GEMMs use, by group (`step_parameters`)
+    # features.doc_copy: the matcher's own memory-bound bytes per process and step, by BYTE_KINDS (its
+    # stable sort of 10·T int64 keys and the prefix scans are "other"; its scatters and gathers, "gather
+    # and scatter"), counted inside `traffic` too; None without the feature
+    matcher: dict[str, int] | None = None
 
     @property
     def model_flops(self) -> int:
@@ -434,8 +438,10 @@ def geometry_cost(rank, settings, steps) -> GeometryCost:
     step = meta_step(rank, settings, steps)
     counter = FlopCounter()
     attention = CountedAttention(counter, step.host_batch.cu_seqlens.tolist())
+    matcher = FlopCounter()  # DocCopy's matcher alone: its ops reach `counter` too (the modes nest)
     with torch.device("meta"), use_backend(**PORTABLE_BACKEND), \
-            mock.patch.object(model_attention, "varlen_attention", attention), fused_kernels(counter), counter:
+            mock.patch.object(model_attention, "varlen_attention", attention), fused_kernels(counter), counter, \
+            counted_matcher(matcher):
         loss = step.forward(rank.model)
         loss.backward()
     rank.model.zero_grad(set_to_none=True)
@@ -445,7 +451,23 @@ def geometry_cost(rank, settings, steps) -> GeometryCost:
     # event (written, read back); features.ngram off: no rows
     hbm = {"n-gram row pull and gradient merge (estimate)": 2 * T * D * (2 + 2 + 4 + 4) * A} if cfg.features.ngram else {}
     return GeometryCost(settings, steps, T, A, {k: counter.flops[k] * A for k in (*KINDS, "attention recompute")},
-                        hbm, Traffic.of(counter, A), step_parameters(rank.model, settings.softmax_p))
+                        hbm, Traffic.of(counter, A), step_parameters(rank.model, settings.softmax_p),
+                        {k: matcher.bytes[k] * A for k in BYTE_KINDS} if cfg.features.doc_copy else None)
+
+
+@contextlib.contextmanager
+def counted_matcher(counter: FlopCounter):
+    """DocCopy's matcher (model/doc_copy.py, as model/gpt.py calls it) run under `counter` as well."""
+    import model.gpt
+
+    matcher = model.gpt.doc_copy_features
+
+    def counted(*args):
+        with counter:
+            return matcher(*args)
+
+    with mock.patch.object(model.gpt, "doc_copy_features", counted):
+        yield
 
 
 def count_geometries(cfg: RunConfig, world_size: int, progress=None) -> list[GeometryCost]:

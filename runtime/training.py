@@ -498,6 +498,7 @@ class Run:
                 if pending:
                     raise RuntimeError(f"warmup: no warmup step runs at windows {sorted(pending)} of an intermediate "
                                        f"validation (warmup_steps must visit every stage)")
+                self.flush()  # the last step's fp8 refresh (it runs at the next flush): warmed or captured here
                 if self.graphs is not None and self.graphs.pending():
                     raise RuntimeError(f"warmup: CUDA-graph keys warmed once but never captured: "
                                        f"{self.graphs.pending()} (warmup_steps must visit every key twice)")

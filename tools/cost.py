@@ -233,13 +233,33 @@ def _g(flops: float) -> str:
     return f"{flops / 1e9:,.2f}"
 
 
+def matcher_lines(cost: ScheduleCost, peak: DevicePeak) -> list[str]:
+    """features.doc_copy: the matcher's bytes per geometry (its sort and scans, its scatters and
+    gathers, the rest), their share of the geometry's memory-bound bytes and their time at HBM
+    bandwidth; none without the feature."""
+    if cost.geometries[0].matcher is None:
+        return []
+    bw = peak.hbm_tb_per_s * 1e12
+    lines = ["  doc_copy matcher (model/doc_copy.py), one rank's step, unfused: MB sort and scans / scatters and "
+             "gathers / pointwise and copies, share of the step's memory-bound bytes, ms at HBM bandwidth"]
+    for g in cost.geometries:
+        m = g.matcher
+        other, moved = m["other"], m["gather and scatter"]
+        rest = sum(m.values()) - other - moved
+        lines.append(f"  {g.steps[0]:>5}-{g.steps[-1]:<5} T={g.tokens:,}: {other / 1e6:,.1f} / {moved / 1e6:,.1f} / "
+                     f"{rest / 1e6:,.1f} MB, {100 * sum(m.values()) / g.traffic.memory_bound_bytes:.2f} % of "
+                     f"{g.traffic.memory_bound_bytes / 1e9:,.2f} GB, {1000 * sum(m.values()) / bw:.3f} ms")
+    return lines
+
+
 def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> str:
     cfg, W = cost.cfg, cost.world_size
     n = len({s for g in cost.geometries for s in g.steps})
-    off = cfg.features.off()
+    off, added = cfg.features.off(), cfg.features.added()
     lines = [f"--config {cfg.name}, {W} process(es) × {cost.geometries[0].accum} virtual rank(s); one rank's "
              f"step, GFLOP (forward + backward), counted on meta"
-             + (f"; switched off: {', '.join(off)} (config.FeatureConfig)" if off else ""), ""]
+             + (f"; switched off: {', '.join(off)} (config.FeatureConfig)" if off else "")
+             + (f"; past the record, on: {', '.join(added)}" if added else ""), ""]
     head = (f"{'steps':>11} {'n':>4} {'T/rank':>7} {'P':>6} " + " ".join(f"{k:>10}" for k in KINDS)
             + f" {'N (M)':>6} {'6·N·T':>10} {'GB':>6} {'fused':>6}"
             + (f" {'ms FLOPs':>8} {'ms bytes':>8}" if cost.phases else ""))
@@ -257,6 +277,7 @@ def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> str:
             row += (f" {1000 * cost.floor(g.steps[0], peak, None)[0]:>8.2f}"
                     f" {1000 * cost.floor(g.steps[0], peak, 'fused')[0]:>8.2f}")
         lines.append(row)
+    lines += matcher_lines(cost, peak)
     g = cost.geometries[-1]
     lines.append("  N by group at " + f"steps {g.steps[0]}-{g.steps[-1]}: "
                  + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in g.params.items())

@@ -311,6 +311,7 @@ def build_model(cfg, backend, world_size: int):
     buffer attached (the warmup compiles before the prefix table is set; a buffer's values do not
     change the graph)."""
     from model.gpt import GPT
+    from optim.adam import run_param_table
     from optim.manager import OptimizerManager
     from optim.schedule import TrainingSchedule
     from tools.fake_gpu import on_fake_cuda
@@ -318,8 +319,8 @@ def build_model(cfg, backend, world_size: int):
     schedule = TrainingSchedule(cfg.schedule, cfg.features)
     with on_fake_cuda():
         model = GPT(cfg.model, fp8=backend.fp8, features=cfg.features, block_size=cfg.schedule.block_size)
-        manager = OptimizerManager(model.named_parameters(), schedule, cfg.optim, layout=(0, world_size),
-                                   absent=model.switched_off_parameters,
+        manager = OptimizerManager(model.named_parameters(), schedule, cfg.optim, table=run_param_table(cfg.features),
+                                   layout=(0, world_size), absent=model.switched_off_parameters,
                                    local_ranks=cfg.virtual_world_size // world_size)
         if cfg.features.value_embeds:
             model.value_embed_grad_buffer = manager.cycle_gradient("value_embeds")
@@ -419,6 +420,7 @@ def format_table(reports: list[GraphReport], total_seconds: float) -> str:
 
 
 def parse_args(argv):
+    from cli import add_proposal_argument, preset_run_config
     from config import RUN_PRESETS
 
     p = argparse.ArgumentParser(prog="python -m tools.cross_compile", description=__doc__.split("\n")[0])
@@ -440,10 +442,11 @@ def parse_args(argv):
                    help="processes compiling Triton kernels (default: one per core)")
     p.add_argument("--keep-cache", action="store_true",
                    help="reuse inductor's and Triton's caches (default: fresh, so every kernel is built)")
+    add_proposal_argument(p)
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: expected at least 1")
-    cfg = RUN_PRESETS[args.config]
+    cfg = args.run_config = preset_run_config(args.config, [], args.proposal)
     if args.world_size is None:
         args.world_size = cfg.virtual_world_size
     elif args.world_size not in cfg.allowed_world_sizes:
@@ -486,7 +489,7 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from config import RUN_PRESETS, ConfigError
+    from config import ConfigError
     from tools.fake_gpu import DEVICES
 
     t0 = time.perf_counter()
@@ -500,9 +503,10 @@ def _run(args) -> int:
         print(f"cross-compiling {len(args.function)} function(s) for {device}", flush=True)
         reports = cross_compile_cases(args.function, progress=lambda line: print(line, flush=True))
         return _finish(reports, time.perf_counter() - t0)
-    cfg = RUN_PRESETS[args.config]
+    cfg = args.run_config
     specs = plan_graphs(cfg, args.steps, backward=not args.no_backward, validation=not args.no_validation)
-    print(f"cross-compiling {len(specs)} graph(s) of --config {cfg.name} --world-size {args.world_size} "
+    print(f"cross-compiling {len(specs)} graph(s) of --config {cfg.name}"
+          + (f" --proposal {cfg.proposal}" if cfg.proposal else "") + f" --world-size {args.world_size} "
           f"(rank 0 plays {cfg.virtual_world_size // args.world_size} of {cfg.virtual_world_size} virtual ranks) "
           f"for {device} (inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})", flush=True)
     reports = cross_compile_preset(cfg, specs, backward=not args.no_backward,

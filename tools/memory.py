@@ -319,10 +319,11 @@ def memory_report(cfg: RunConfig, world_size: int, progress=None) -> MemoryRepor
 def format_memory(report: MemoryReport, top: int = 6, capture: str | None = None) -> str:
     """The report as text; capture: a section inserted before the closing paragraph (main's capture check)."""
     rank, cfg = report.rank, report.rank.cfg
-    off = cfg.features.off()
+    off, added = cfg.features.off(), cfg.features.added()
     lines = [f"memory of one training rank: --config {cfg.name}, {rank.world_size} process(es) × "
              f"{rank.accum} accumulation step(s), {'fp8' if cfg.features.fp8 else 'bf16'} training, rank 0's "
-             f"shards (1 GiB = 2^30 bytes)" + (f"; switched off: {', '.join(off)}" if off else ""), ""]
+             f"shards (1 GiB = 2^30 bytes)" + (f"; switched off: {', '.join(off)}" if off else "")
+             + (f"; past the record, on: {', '.join(added)}" if added else ""), ""]
     width = max(len(i.name) for i in report.static) + 2
     lines.append(f"{'static, device':<{width}} {'GiB':>7}  what")
     for item in (i for i in report.static if i.where == "device"):

@@ -161,3 +161,37 @@ def test_cli_module_entry_point():
     assert "stage ends [0, 320, 681, 1107, 1174, 1194]" in res.stdout
     assert "14336@681, 24576@965" in res.stdout
     # a bad --config: tests/run/test_run_bad_input.py::test_every_entry_point_refuses_in_one_line
+
+
+# ---- the proposals' schedules: the record's rules at their base steps (frontier_doc_copy.md §1.4) ----
+
+# (base steps, stage ends, split, cooldown start, lr_mult at stage starts 1..4, (step, P) changes, prefix
+# weight changes, first rail-β cooldown step, table events, last event), typed out from the spec's table
+PROPOSAL_SCHEDULES = {
+    "record": (1122, [0, 320, 681, 1107, 1174, 1194], 1175, 234, [1.40838, 1.04999, 0.39118, 0.30],
+               [(0, 10240), (681, 14336), (965, 24576), (1107, 0)], [320, 411, 501, 591, 681], 1145, 382, 1191),
+    "token_norm_hashes": (1107, [0, 316, 672, 1093, 1159, 1179], 1159, 231, [1.40825, 1.05044, 0.39098, 0.30],
+                          [(0, 10240), (672, 14336), (953, 24576), (1093, 0)], [316, 405, 494, 583, 672], 1130,
+                          378, 1175),
+    "doc_copy": (1060, [0, 303, 643, 1048, 1112, 1132], 1113, 222, [1.40897, 1.05356, 0.39199, 0.30],
+                 [(0, 10240), (643, 14336), (913, 24576), (1048, 0)], [303, 388, 473, 558, 643], 1083, 367, 1131),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROPOSAL_SCHEDULES))
+def test_each_proposal_runs_its_prs_schedule(name):
+    from config import PROPOSALS, RUN_PRESETS
+
+    base, ends, split, cooldown, lr_mults, softmax, prefix, rail, events, last = PROPOSAL_SCHEDULES[name]
+    cfg = RUN_PRESETS["record"] if name == "record" else PROPOSALS[name].apply(RUN_PRESETS["record"])
+    assert cfg.schedule.base_steps == base
+    s = TrainingSchedule(cfg.schedule)
+    n = s.total_steps
+    assert s.stage_ends == ends and s.split_step == split and s.cooldown_start == cooldown
+    assert [round(s.lr_mult(e), 5) for e in ends[1:5]] == lr_mults
+    assert [(t, s.softmax_p(t)) for t in range(n) if t == 0 or s.softmax_p(t) != s.softmax_p(t - 1)] == softmax
+    assert [t for t in range(1, n) if s.prefix_weight(t) != s.prefix_weight(t - 1)] == prefix
+    assert min(t for t in range(1, n) if s.rail_beta(t) < s.rail_beta(t - 1)) == rail
+    table_events = [t for t in range(n) if s.is_table_event(t)]
+    assert (len(table_events), table_events[-1]) == (events, last)
+    assert [s.windows(e) for e in ends[:-1]] == [(1, 3), (3, 7), (5, 11), (5, 11), (6, 13)]

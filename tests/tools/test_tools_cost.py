@@ -224,3 +224,25 @@ def test_each_step_is_priced_with_its_own_table_event():
     assert [s for s in range(schedule.total_steps) if cost.is_table_event(s)] == events
     pushed = [s for s in range(schedule.total_steps) if any("push" in k for k in cost.sent_bytes(s))]
     assert pushed == events and len(events) > len({cost.geometry_at(s).steps[0] for s in events})
+
+
+def test_the_doc_copy_matcher_is_priced_and_its_sort_moves_what_it_must(gpt2_bpe):
+    """With --proposal doc_copy every geometry names the matcher's bytes; at least what its stable sort
+    of 10·T int64 keys moves by hand (the keys read, the sorted keys and their indices written: 3 × 80·T
+    bytes) and its two scatters back (each writes 10·T int64 and reads its 10·T indices and values:
+    ≥ 2 × 240·T), inside the step's memory-bound bytes; none without the feature."""
+    from config import PROPOSALS
+    from runtime.meta_rank import build_rank_on_meta, geometries
+
+    cfg = PROPOSALS["doc_copy"].apply(RUN_PRESETS["smoke"])
+    rank = build_rank_on_meta(cfg, 2)
+    settings, steps = geometries(rank.schedule)[0]
+    g = op_count.geometry_cost(rank, settings, steps)
+    T = g.tokens
+    assert g.matcher["other"] >= 3 * 10 * T * 8
+    assert g.matcher["gather and scatter"] >= 2 * 3 * 10 * T * 8
+    assert sum(g.matcher.values()) < g.traffic.memory_bound_bytes
+    text = "\n".join(cost.matcher_lines(cost.ScheduleCost(cfg, 2, [g], []), throughput.H100_SXM))
+    assert f"T={T:,}:" in text and "% of" in text
+    plain = op_count.geometry_cost(build_rank_on_meta(RUN_PRESETS["smoke"], 2), settings, steps)
+    assert plain.matcher is None

@@ -1,0 +1,84 @@
+"""The proposals past the record (config.PROPOSALS, `train_gpt.py --proposal NAME`): each is its PR's features
+and schedule in one flag; DocCopy alone is refused; and the fast path's CPU proofs hold with both
+frontier switches on: a compiled (aot_eager, fullgraph), CUDA-graph-captured (the CPU twin checks every
+replay against eager, bitwise) smoke run under the sync check traces every graph in its warmup, none
+after, and never syncs a step. Its own file: its run is long (about 2 min of both cores alone)."""
+import re
+import sys
+
+import pytest
+
+from config import PROPOSALS, RUN_PRESETS, ConfigError, ScheduleConfig
+from tests import long_runs
+from tests.run.test_run_train import _runs
+
+PROOF_ENV = {"SPEEDRUN_COMPILE": "1", "SPEEDRUN_COMPILE_BACKEND": "aot_eager", "SPEEDRUN_SYNC_CHECK": "1",
+             "SPEEDRUN_CUDA_GRAPHS": "1", "TORCH_LOGS": "recompiles,graph_breaks", "PYTHONUNBUFFERED": "1",
+             "RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None}
+
+
+def _proof_commands(folder):
+    """The embedded corpus, then 30 smoke steps (two geometries, the first stage transition, Adam and
+    table steps, the last exact fp8 refreshes) with --proposal doc_copy, compiled and captured."""
+    data = folder / "synthetic"
+    return [[sys.executable, "-c", "import sys; from data.synthetic import write_corpus; "
+             "write_corpus(sys.argv[1], progress=False)", str(data)],
+            [sys.executable, "train_gpt.py", "--config", "smoke", "--proposal", "doc_copy", "--data-path", str(data),
+             "--records-dir", str(folder / "records"), "--seed", "0", "--max-steps", "30", "--val-tokens", "2048"]]
+
+
+long_runs.register("proposal_run", _proof_commands, env=PROOF_ENV, merge_stderr=True)
+
+
+def test_a_proposal_is_its_prs_features_and_base_steps_and_the_flags_still_win():
+    import train_gpt
+
+    cfg, _ = train_gpt.parse_args(["--proposal", "doc_copy"])
+    assert (cfg.name, cfg.proposal, cfg.schedule.base_steps) == ("record", "doc_copy", 1060)
+    assert cfg.features.added() == ["token_norm_hashes", "doc_copy"] and cfg.features.off() == []
+    assert cfg.schedule == ScheduleConfig(base_steps=1060)  # nothing else of the record's schedule moves
+    cfg, _ = train_gpt.parse_args(["--proposal", "token_norm_hashes", "--config", "recipe"])
+    assert (cfg.schedule.base_steps, cfg.features.added()) == (1107, ["token_norm_hashes"])
+    cfg, _ = train_gpt.parse_args(["--proposal", "doc_copy", "--steps", "1050", "--set", "features.fp8=false"])
+    assert (cfg.schedule.base_steps, cfg.features.fp8, cfg.features.doc_copy) == (1050, False, True)
+    cfg, _ = train_gpt.parse_args(["--proposal", "doc_copy", "--config", "smoke"])
+    assert cfg.schedule == RUN_PRESETS["smoke"].schedule and cfg.features.doc_copy  # smoke keeps its schedule
+    with pytest.raises(ConfigError, match="invalid choice: 'docopy'"):
+        train_gpt.parse_args(["--proposal", "docopy"])
+    assert {name: p.base_steps for name, p in PROPOSALS.items()} == {"token_norm_hashes": 1107, "doc_copy": 1060}
+
+
+def test_doc_copy_alone_is_refused_naming_what_it_needs(tmp_path):
+    import train_gpt
+    from runtime.config_check import check_run
+
+    cfg, args = train_gpt.parse_args(["--config", "smoke", "--set", "features.doc_copy=true",
+                                      "--records-dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"--set features.doc_copy=true needs features.token_norm_hashes on "
+                                          r"\(PR #378 \(open; on #375\)\); add --set features.token_norm_hashes=true"):
+        check_run(cfg, args)
+    cfg, args = train_gpt.parse_args(["--config", "smoke", "--set", "features.token_norm_hashes=true",
+                                      "--set", "features.ngram=false", "--records-dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match="features.token_norm_hashes=true needs features.ngram on"):
+        check_run(cfg, args)
+
+
+@pytest.mark.slow
+def test_the_doc_copy_proposal_compiles_captures_and_never_syncs():
+    code, out, _, folder = long_runs.result("proposal_run")
+    assert code == 0, out[-8000:]
+    (entry,) = _runs(folder / "records")
+    assert entry["status"] == "finished" and entry["proposal"] == "doc_copy" and entry["steps"] == 30
+    log = open(entry["log_path"]).read()
+    head = log[:log.index("[schedule]")]  # the log's first lines: the proposal, its switches, its map
+    assert "proposal doc_copy: PR #378 (on PR #375), DocCopy" in head and "features on: token_norm_hashes, doc_copy" in head
+    assert re.search(r"^features: token_norm_hashes on \(.*\), doc_copy on \(", head, re.M)
+    assert "token_norm: 32,980 classes over GPT-2's 50,257 ids, 17,277 remapped, sha256 79fb57ac259495ba36f1afb9b0" \
+           "d5da35f3048b5067fa59c101d5a3c1ed15c2a2" in head
+    assert "compiled graphs: warmup 4, timed 0" in log and "compiled graphs: validation after the warmup 0" in log
+    graphs = re.search(r"cuda graphs: graphs captured: forward_backward 2, fp8_refresh 2, optimizer 5; replay vs "
+                       r"eager: (\d+)/(\d+) tensors bitwise", log)
+    assert graphs and graphs.group(1) == graphs.group(2), re.findall(r"cuda graphs:.*", log)
+    assert "Graph break" not in out and "HostSyncError" not in out
+    vals = [float(v) for v in re.findall(r"^step:\d+/70 val_loss:([0-9.]+)", log, re.M)]
+    assert len(vals) == 2 and vals[-1] < vals[0] - 2.0  # it learns: 10.82 → 8.23 measured
