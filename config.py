@@ -243,7 +243,8 @@ class Feature:
         return not self.default
 
 
-# Every default is the record (all on). A switched-off feature costs nothing: no tensor allocated, no kernel
+# Every default is the record: its features on, and off the features past it (open PRs, `default=False`,
+# switched on by --proposal, PROPOSALS below). A switched-off feature costs nothing: no tensor allocated, no kernel
 # launched, no collective, no host work. The other switches that price a feature live elsewhere:
 # `--set optim.bank_optimizer=normuon` (ANVIL -> record #89's NorMuon), SPEEDRUN_CUDA_GRAPHS=0 and
 # SPEEDRUN_COMPILE=0 (perf/backend.py: execution paths, not math). The `removes` texts are ours; the
