@@ -229,6 +229,12 @@ def check_run(cfg: RunConfig, args: argparse.Namespace, env=os.environ) -> None:
                         f"{cfg.val_batch_tokens:,} tokens ({cfg.virtual_world_size} ranks × {per_rank:,}); "
                         f"try --val-tokens {fix}")
     problems += feature_problems(cfg.features)  # a switch whose requirements are off
+    if cfg.features.doc_copy and schedule is not None:
+        from model.doc_copy import COPY_MAX_TOKENS
+        longest = max(max(schedule.batch_tokens(s) for s in range(total)), cfg.val_batch_tokens) // cfg.virtual_world_size
+        if longest > COPY_MAX_TOKENS:
+            problems.append(f"features.doc_copy: a rank's batch of {longest:,} tokens exceeds the matcher's power tables "
+                            f"({COPY_MAX_TOKENS:,} tokens, PR #378's); use smaller batches or val_batch_tokens")
     if cfg.optim.bank_optimizer not in ("anvil", "normuon"):
         problems.append(f"optim.bank_optimizer={cfg.optim.bank_optimizer}: must be anvil (record #360) or normuon "
                         f"(record #89)")

@@ -82,3 +82,42 @@ def test_the_doc_copy_proposal_compiles_captures_and_never_syncs():
     assert "Graph break" not in out and "HostSyncError" not in out
     vals = [float(v) for v in re.findall(r"^step:\d+/70 val_loss:([0-9.]+)", log, re.M)]
     assert len(vals) == 2 and vals[-1] < vals[0] - 2.0  # it learns: 10.82 → 8.23 measured
+
+
+def test_a_batch_past_the_matchers_tables_is_refused(tmp_path):
+    import train_gpt
+    from runtime.config_check import check_run
+
+    cfg, args = train_gpt.parse_args(["--config", "smoke", "--proposal", "doc_copy", "--records-dir", str(tmp_path),
+                                      "--set", "val_batch_tokens=1048576", "--val-tokens", "1048576"])
+    with pytest.raises(ConfigError, match=r"features.doc_copy: a rank's batch of 524,288 tokens exceeds the "
+                                          r"matcher's power tables \(262,144 tokens"):
+        check_run(cfg, args)
+
+
+def test_with_both_off_nothing_of_them_is_built_or_called(monkeypatch):
+    """The record's features (both frontier switches off, the default): no map built, no matcher called, no
+    copy parameter or buffer, raw-id hashes; the 20-step smoke losses were compared bitwise against the
+    tree before them (docs/features.md)."""
+    import dataclasses
+
+    import model.gpt
+    from data.loader import dummy_batch
+    from runtime import training
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("called with features.token_norm_hashes and features.doc_copy off")
+
+    monkeypatch.setattr(training, "token_norm_map", refuse)
+    monkeypatch.setattr(model.gpt, "token_norm_map", refuse)
+    monkeypatch.setattr(model.gpt, "doc_copy_features", refuse)
+    cfg = dataclasses.replace(RUN_PRESETS["smoke"], seed=0)
+    run = training.Run(cfg, training.Setup(cfg))
+    assert run.token_norm is None and run.hash_args["token_map"] is None
+    names = {n for n, _ in run.model.named_parameters()} | {n for n, _ in run.model.named_buffers()}
+    assert not {n for n in names if "copy" in n or "token_norm" in n}
+    tokens = run.schedule.batch_tokens(0) // cfg.virtual_world_size
+    loss = run.train_step(0, [dummy_batch(tokens, run.schedule.doc_cap(0), seed=r, **run.hash_args)
+                              for r in run.setup.virtual_ranks])
+    assert loss.isfinite()
+    run.close()

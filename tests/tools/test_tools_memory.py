@@ -182,3 +182,21 @@ def test_reset_snapshot_is_a_host_copy(monkeypatch):
         assert snap.device.type == "cpu" and not snap.is_pinned()
         assert snap.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
         assert torch.equal(snap, t)
+
+
+def test_the_doc_copy_proposal_adds_its_buffers_and_adam_state(gpt2_bpe):
+    """Smoke on 2 ranks with --proposal doc_copy: "other buffers" grows by the matcher's constants, counted
+    by hand (the power tables 2 × 262,144 int64, the map 50,304 int32, the bucket mask 31 fp32), the
+    parameters by the three fp32 parameters, and each replicated Adam parameter keeps two fp32 moments."""
+    from config import PROPOSALS
+
+    plain = {i.name: i for i in static_items(build_rank_on_meta(RUN_PRESETS["smoke"], 2))}
+    cfg = PROPOSALS["doc_copy"].apply(RUN_PRESETS["smoke"])
+    items = {i.name: i for i in static_items(build_rank_on_meta(cfg, 2))}
+    assert items["other buffers"].bytes - plain["other buffers"].bytes == 2 * 262_144 * 8 + 50_304 * 4 + 31 * 4
+    added = 4 * (31 + 31 * 96 + 2)
+    assert items["parameters"].bytes - plain["parameters"].bytes == added
+    assert items["gradients (.grad)"].bytes - plain["gradients (.grad)"].bytes == added
+    assert items["adam, replicated parameters"].bytes - plain["adam, replicated parameters"].bytes == 2 * added
+    report = memory_report(cfg, 2)
+    assert report.peak_bytes > memory_report(RUN_PRESETS["smoke"], 2).peak_bytes
