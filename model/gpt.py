@@ -37,11 +37,11 @@ Feature switches (config.FeatureConfig, `--set features.X=false`): without `ngra
 sign pool, no n-gram embedding and no n-gram injection (forward takes ngram_rows = ngram_sign_rows =
 None); without `value_embeds` no value_embeds / ve_gate_bank, nothing added to V but layer 10's MUDD
 mix, and the post-loop mix over its six other sources; without `prefix_loss` no prefix table; without
-`fp8` bf16 GEMMs and no fp8 caches. Past the record (off by default): `doc_copy` (PR #378,
-model/doc_copy.py) matches each position's context earlier in its document, looks up the candidate's
-embedding row with the tokens' (2T rows) and adds the copy vector after the smear and before the
-final norm; `token_norm_hashes` (PR #375) changes only the loader's hashes. The gates and MUDD blocks keep the record's widths (their unused
-n-gram and value-embedding lanes are computed and dropped).
+`fp8` bf16 GEMMs and no fp8 caches. The gates and MUDD blocks keep the record's widths (their unused
+n-gram and value-embedding lanes are computed and dropped). Past the record (off by default):
+`doc_copy` (PR #378, model/doc_copy.py) matches each position's context earlier in its document, looks
+up the candidate's embedding row with the tokens' (2T rows) and adds the copy vector after the smear
+and before the final norm; `token_norm_hashes` (PR #375) changes only the loader's hashes.
 
     python -m model.summary --config record    # every parameter and buffer, built on "meta"
 """
