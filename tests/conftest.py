@@ -62,7 +62,7 @@ LONGEST_FILES_FIRST = (   # seconds per file, fresh clone of e109c7e, 2 workers,
     "tests/model/test_model_compile_record.py",             # 272: the record shapes traced
     "tests/tools/test_tools_gpu_check.py",                  # 257: gpu_check's dry run
     "tests/run/test_run_virtual_ranks.py",                  # 251
-    "tests/run/test_run_proposals.py",                      # ~130: --proposal doc_copy compiled and captured, 30 steps
+    "tests/run/test_run_proposals.py",                      # ~100 alone: --proposal doc_copy compiled and captured, 19 steps
     "tests/perf/test_perf_cuda_graphs_capture.py",    # 90
     "tests/perf/test_perf_host_table.py",           # 73
     "tests/records/test_records_certify.py",

@@ -70,3 +70,18 @@ def up_relu2_fp8_record_tile():
 
     scales = (torch.ones((), dtype=torch.float32) for _ in range(4))
     return fn, (torch.zeros(256, 128, dtype=E4M3), torch.zeros(512, 128, dtype=E4M3), *scales)
+
+
+def doc_copy_matcher_and_copy_vector():
+    """DocCopy (PR #378, model/doc_copy.py) at a smoke batch of 512 tokens: the matcher (hashes, prefix
+    scans, the stable sort of 10·T int64 keys, scatters back) and the copy vector from its buckets."""
+    from model.doc_copy import COPY_BUCKETS, copy_vector, doc_copy_features, hash_powers
+
+    def fn(tokens, norm_map, pow_fwd, pow_bwd, copied, scale, bucket_embed, live):
+        candidate, bucket = doc_copy_features(tokens, norm_map, pow_fwd, pow_bwd)
+        return candidate, copy_vector(copied, bucket, scale, bucket_embed, live)
+
+    T, D = 512, 96
+    return fn, (torch.zeros(T, dtype=torch.int32), torch.arange(50304, dtype=torch.int32), *hash_powers(T),
+                torch.zeros(T, D, dtype=torch.bfloat16), torch.zeros(COPY_BUCKETS), torch.zeros(COPY_BUCKETS, D),
+                torch.ones(COPY_BUCKETS))
