@@ -16,7 +16,7 @@ from tests.run.test_run_train import _runs
 PROOF_ENV = {"SPEEDRUN_COMPILE": "1", "SPEEDRUN_COMPILE_BACKEND": "aot_eager", "SPEEDRUN_SYNC_CHECK": "1",
              "SPEEDRUN_CUDA_GRAPHS": "1", "TORCH_LOGS": "recompiles,graph_breaks", "PYTHONUNBUFFERED": "1",
              # one thread, as torchrun gives each rank: beside the 2-rank smoke run on CI's 2 cores, two
-             # threads here oversubscribed them (537 s in CI against 98 s alone; one thread alone: 117 s)
+             # threads here oversubscribed them (537 s in CI against 98 s alone; one thread: 117 s alone, 137 s in CI)
              "OMP_NUM_THREADS": "1",
              "RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None}
 
