@@ -355,6 +355,26 @@ FEATURES: tuple[Feature, ...] = (
                 ("copy_doc_bucket_embed", ParamRule("adam", "replicated", "adam", (0.9, 0.99), wd_mul=0.0)),
                 ("copy_doc_site", ParamRule("adam", "replicated", "adam", (0.9, 0.99), wd_mul=0.0))),
         default=False, requires=("token_norm_hashes",)),
+    # PR #379 (frontier_cplm.md): the next token's distribution becomes a mixture of the LM softmax and a
+    # pointer over the earlier tokens of the same document (model/cplm.py, perf/kernels/copy_pointer.py); α
+    # is the softmax mass of the `<copy>` column (50257, a padding column of lm_head: no new column).
+    Feature(
+        "cplm",
+        removes="a copy pointer mixed into the next-token loss",
+        removes_in_full="the pointer head on the final normed rows (q/k projections 768 → 2·128 in bf16, QK norm, "
+                        "a flash-style pointer over the earlier positions of the query's document within a band of "
+                        "2048 tokens, 8192 at validation), `copy_qk_bank` [2, 128, 768], `copy_k_sink` [128] and "
+                        "`copy_qk_gain` [1] with their Adam state, `<copy>` (id 50257) always in the sampled "
+                        "candidate set, the next-token term replaced by the mixture NLL (MTP and prefix terms "
+                        "unchanged), the validation mixture and its diagnostics line",
+        introduced_by="PR #379 (open)",
+        gain="−4.566 s claimed (36.009 ± 0.039 vs 40.575 ± 0.024 s, 8 + 13 runs), 1194 → 1050 steps",
+        # PR #379 (track_1_short/training.py's Adam table): replicated Adam, betas (0.9, 0.99), lr_mul 1; the
+        # bank decays (wd_mul 1), the sink key and the gain do not
+        params=(("copy_qk_bank", ParamRule("adam", "replicated", "adam", (0.9, 0.99))),
+                ("copy_k_sink", ParamRule("adam", "replicated", "adam", (0.9, 0.99), wd_mul=0.0)),
+                ("copy_qk_gain", ParamRule("adam", "replicated", "adam", (0.9, 0.99), wd_mul=0.0))),
+        default=False),
 )
 
 
@@ -545,6 +565,12 @@ PROPOSALS = {
         "doc_copy", "PR #378 (on PR #375)", "DocCopy: a document-local copy candidate as an input",
         ("token_norm_hashes", "doc_copy"), 1060,
         "39.181 ± 0.099 s (8 runs) vs 40.355 ± 0.155 s for #360 (4 runs, same node), val 3.27548 ± 0.00057"),
+    # PR #379 (frontier_cplm.md §8): NUM_SCHEDULED_ITERATIONS=978 (1050 in all: 0, 279, 593, 971, 1030, 1050);
+    # its fixed-step constants (rail engage 514, table cadence 336, beta warmup 240 / cooldown 50, tail
+    # windows) stay the record's, as the PR left them (docs/features.md)
+    "cplm": Proposal(
+        "cplm", "PR #379", "CPLM: a copy pointer mixed into the next-token loss", ("cplm",), 978,
+        "36.009 ± 0.039 s (8 runs) vs 40.575 ± 0.024 s for #360 (13 runs, same node), val 3.2769 ± 0.0016"),
 }
 
 

@@ -146,6 +146,12 @@ def softmax_change_line(step: int, total: int, old_p: int, new_p: int, vocab: in
             f"the train_loss values jump {'up' if (new_p or vocab) > (old_p or vocab) else 'down'} with it")
 
 
+def log_validation_diagnostics(run: Run, log) -> None:
+    """The line a feature prints after each val line, off the clock (CPLM, PR #379: α, a_sink, copy share)."""
+    if run.validation_diagnostics is not None:
+        log.print0(run.validation_diagnostics, console=True)
+
+
 @contextlib.contextmanager
 def garbage_collector_paused():
     """Collect once, freeze what survives (so later collections skip it) and keep the collector
@@ -288,6 +294,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                 raise ConfigError(f"--eval-checkpoint {e}") from None
             val_loss = run.validate(run.val_batches(val_glob), schedule.final_windows())
             log.print0(format_val_line(step, n, val_loss, 0.0), console=True)
+            log_validation_diagnostics(run, log)
             rec.finish(val_loss=val_loss, train_time_ms=0.0, steps=step)
             run.close()
             return
@@ -356,6 +363,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                     val_loss = run.validate(run.val_batches(val_glob), run.windows)  # no canonical mask mid-run
                     validation_graphs += compiled_graphs() - graphs
                     log.print0(format_val_line(step, n, val_loss, train_ms), console=True)
+                    log_validation_diagnostics(run, log)
                     setup.synchronize()
                     t0 = time.perf_counter()
                 if step and schedule.softmax_p(step) != schedule.softmax_p(step - 1):
@@ -407,6 +415,7 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
         val_loss = run.validate(final_batches, schedule.final_windows(), canonical_mask)
         validation_graphs += compiled_graphs() - graphs
         log.print0(format_val_line(steps, n, val_loss, train_ms), console=True)
+        log_validation_diagnostics(run, log)
         if run.graphs is not None and run.graphs.eager_calls:
             log.print0(f"cuda graphs: {run.graphs.summary()}", console=True)
         if setup.backend.compile:  # dynamo's own counters: nothing may compile after the warmup

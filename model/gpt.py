@@ -41,7 +41,9 @@ mix, and the post-loop mix over its six other sources; without `prefix_loss` no 
 n-gram and value-embedding lanes are computed and dropped). Past the record (off by default):
 `doc_copy` (PR #378, model/doc_copy.py) matches each position's context earlier in its document, looks
 up the candidate's embedding row with the tokens' (2T rows) and adds the copy vector after the smear
-and before the final norm; `token_norm_hashes` (PR #375) changes only the loader's hashes.
+and before the final norm; `token_norm_hashes` (PR #375) changes only the loader's hashes; `cplm` (PR
+#379, model/cplm.py) adds a pointer head on the final normed rows whose (p_copy, a_sink) mix into the
+next-token term of the loss, in training and validation.
 
     python -m model.summary --config record    # every parameter and buffer, built on "meta"
 """
@@ -57,6 +59,7 @@ from torch import Tensor, nn
 from config import FeatureConfig, ModelConfig, ScheduleConfig, switched_off_parameters
 from model import mudd as M
 from model.attention import AttnArgs, CausalSelfAttention
+from model.cplm import COPY_BAND_TRAIN, COPY_BAND_VAL, DIAGNOSTICS, copy_head, init_copy_parameters
 from model.doc_copy import COPY_BUCKETS, COPY_SITE_INIT, copy_vector, doc_copy_features, hash_powers
 from model.embeddings import NUM_VALUE_EMBED_PLANES, SMEAR_CHANNELS, ngram_sign_pool, smear, value_embeddings
 from model.loss import LM_HEAD_INIT_STD, TransposedLinear, training_loss, validation_logits, validation_loss
@@ -99,9 +102,10 @@ SA_LAMBDA_INIT = (0.5, 1.0)  # on the QKV weight, on the O weight
 SMEAR_LAMBDA_INDEX, SKIP_LAMBDA_INDEX = 2 * NUM_LAYERS, 2 * NUM_LAYERS + 1
 SKIP_LAMBDA_INIT = -1.5
 VALUE_EMBED_INIT_STD = 0.01
-# parameters kept in fp32 (record #360 casts every other one to the training dtype; PR #378 adds its three)
+# parameters kept in fp32 (record #360 casts every other one to the training dtype; PR #378 adds its three,
+# PR #379 its sink key and gain: its q/k bank is cast like the backbone's matrices)
 FP32_PARAMETERS = ("post_lambdas", "resid_lambdas", "scalars", "mudd_gate_scale",
-                   "copy_doc_scale", "copy_doc_bucket_embed", "copy_doc_site")
+                   "copy_doc_scale", "copy_doc_bucket_embed", "copy_doc_site", "copy_k_sink", "copy_qk_gain")
 
 
 @dataclass
@@ -238,6 +242,13 @@ class GPT(nn.Module):
             for i in ATTN_LAYERS})
         self.mlp_fp8 = Fp8MLPState(NUM_MLP_SLOTS, cfg.mlp_hidden_dim, D) if self.fp8 else None
         self.value_embed_grad_buffer: Tensor | None = None  # the optimizer's, set by the training loop
+        if features.cplm:  # PR #379: created last, after every backbone draw, so a seeded backbone is the record's
+            bank, k_sink, gain = init_copy_parameters(D)
+            self.copy_qk_bank = nn.Parameter(bank.to(dtype))  # [2, 128, D]: W_q, W_k
+            self.copy_k_sink = nn.Parameter(k_sink)  # [128] fp32
+            self.copy_qk_gain = nn.Parameter(gain)  # [1] fp32
+        # the validation's diagnostic sums (model/cplm.py DIAGNOSTICS), zeroed and read by the run, off the clock
+        self.register_buffer("cplm_diag", torch.zeros(len(DIAGNOSTICS)) if features.cplm else None, persistent=False)
 
     # --- hooks the training loop calls -------------------------------------------------------------
     def refresh_fp8(self, exact: bool | None = None) -> None:
@@ -468,10 +479,15 @@ class GPT(nn.Module):
             x = x + copy_out
         x = norm(x)
 
+        copy = None  # CPLM (PR #379): the pointer over earlier same-document tokens, mixed into the next-token loss
+        if features.cplm and not step.logits:
+            band = COPY_BAND_TRAIN if step.training else COPY_BAND_VAL
+            copy = copy_head(x, self.copy_qk_bank, self.copy_k_sink, self.copy_qk_gain, inputs, targets, cu_seqlens,
+                             band)  # (T,), (T,)
         if not step.training:
-            if step.logits:  # evaluate.py: log-probabilities and next tokens (no canonical mask)
+            if step.logits:  # evaluate.py: log-probabilities and next tokens (no canonical mask; the LM alone)
                 return validation_logits(x[step.logits_from:], self.lm_head.weight)
-            return validation_loss(x, self.lm_head.weight, targets, inputs, step.canonical_mask)
+            return validation_loss(x, self.lm_head.weight, targets, inputs, step.canonical_mask, copy, self.cplm_diag)
         prefix = self.prefix_table[targets] if step.prefix_on else None
         return training_loss(x, self.lm_head.weight, targets, step.mtp_weights, prefix, step.prefix_weight,
-                             step.candidates, fp8=use_fp8)
+                             step.candidates, fp8=use_fp8, copy=copy)

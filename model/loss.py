@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.canonical_mask import apply_canonical_mask
+from model.cplm import COPY_TOKEN_ID, copy_column_index, mixture_nll, validation_sums
 from perf.backend import host_checks
 from perf.kernels.cross_entropy import softcapped_loss_lse
 from perf.fp8 import fp8_lm_head_loss
@@ -101,7 +102,8 @@ def softcapped_ce(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: 
 
 
 def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
-                  prefix_weight, candidates: Tensor | None = None, fp8: bool = True) -> Tensor:
+                  prefix_weight, candidates: Tensor | None = None, fp8: bool = True,
+                  copy: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Summed training loss of the final normed rows x [T, D] (fp8 lm_head unless fp8=False).
 
     mtp_weights: the MTP weights (fp32 [K] tensor, or floats); prefix_weight a 0-D tensor or float,
@@ -110,19 +112,34 @@ def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, pr
     builds C from the host batch's targets so that it is; a debug check verifies it where host
     checks run); a prefix class outside C drops that prefix term. The value is `softcapped_ce` of
     x @ lm_head_w[:, C] (fp8-rounded operands and logits with fp8), summed over the rank's rows.
+
+    copy: CPLM's pointer (p_copy [T], a_sink [T]) (PR #379, model/cplm.py), or None. Then the next-token
+    term w_0·(lse − z_y) becomes w_0·`mixture_nll`(z_y, z_c, lse, p_copy, a_sink) with c the `<copy>` column
+    (its position in C under the sampled softmax); the MTP and prefix terms keep their form, their lse over
+    every column `<copy>` included. The CE runs with w_0 = 0 and hands back lse and the two gathered z,
+    differentiable, so the mixture is these lines and its gradient rides the CE's one backward pass.
     """
     if candidates is not None:
         targets, prefix_targets = candidate_positions(candidates, lm_head_w.shape[1], targets, prefix_targets)
         if host_checks() and bool((targets < 0).any()):
             raise ValueError("training_loss: every target must be in the candidate set")
+    gather = {}
+    ce_weights = mtp_weights
+    if copy is not None:  # CPLM: the CE without its next-token term, plus z at (y_t, <copy>) per row
+        gather = {"gather_cols": torch.stack([targets, copy_column_index(candidates, targets)], dim=1)}  # (T, 2)
+        ce_weights = (0.0, *list(mtp_weights)[1:])
     if fp8:  # e4m3 logits straight into the CE, one autograd node (perf/fp8.py)
-        loss, lse = fp8_lm_head_loss(x, lm_head_w, targets, mtp_weights, prefix_targets, prefix_weight, candidates)
+        out = fp8_lm_head_loss(x, lm_head_w, targets, ce_weights, prefix_targets, prefix_weight, candidates, **gather)
     else:
         w = lm_head_w if candidates is None else lm_head_w[:, candidates]
         # the logits in the GEMM's dtype (bf16 in training), as the fp8 path keeps its e4m3 ones: the
         # CE reads them, keeps them for its backward and writes the gradient in their dtype; its fp32
         # temporaries live one slab of rows at a time, so no fp32 [T, N] exists
-        loss, lse = softcapped_loss_lse(x @ w, targets, mtp_weights, prefix_targets, prefix_weight)
+        out = softcapped_loss_lse(x @ w, targets, ce_weights, prefix_targets, prefix_weight, **gather)
+    loss, lse = out[0], out[1]
+    if copy is not None:
+        z_target, z_copy = out[2].unbind(1)  # (T,), (T,)
+        loss = loss + mtp_weights[0] * mixture_nll(z_target, z_copy, lse, *copy).sum()
     # lse [T] (over C under the sampled softmax) is differentiable on both paths, so a term in it is
     # one line here, e.g. a z-loss `loss = loss + 1e-4 * lse.square().sum()` (docs/loss_terms.md);
     # the record has none
@@ -138,30 +155,47 @@ def validation_logits(x: Tensor, lm_head_w: Tensor) -> Tensor:
 
 
 def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, inputs: Tensor | None = None,
-                    canonical_mask: Tensor | None = None) -> Tensor:
+                    canonical_mask: Tensor | None = None, copy: tuple[Tensor, Tensor] | None = None,
+                    diagnostics: Tensor | None = None) -> Tensor:
     """Mean next-token CE over the full vocabulary: bf16 logits and softcap, fp32 cross-entropy,
     in slabs of EVAL_CE_SLAB_ROWS rows so the fp32 [rows, V] logits stay bounded.
 
     canonical_mask (record #92, PR #350): the packed [V, V/8] bits of (prev, cur) pairs GPT-2 never
-    emits; after token inputs[t] those classes drop out of row t's softmax."""
+    emits; after token inputs[t] those classes drop out of row t's softmax.
+    copy: CPLM's pointer (p_copy, a_sink) [T] (PR #379, frontier_cplm.md §7): the NLL is the mixture's
+    (`validation_mixture_nll`), lse over every column, `<copy>` never masked; its diagnostic sums
+    (model/cplm.py DIAGNOSTICS) are added into `diagnostics` (fp32 [6]) when given."""
     total = x.new_zeros((), dtype=torch.float32)
     for lo in range(0, x.shape[0], EVAL_CE_SLAB_ROWS):
-        z = validation_logits(x[lo: lo + EVAL_CE_SLAB_ROWS], lm_head_w)
+        rows = slice(lo, lo + EVAL_CE_SLAB_ROWS)
+        z = validation_logits(x[rows], lm_head_w)
         if canonical_mask is not None:
-            z = apply_canonical_mask(z, inputs[lo: lo + EVAL_CE_SLAB_ROWS], canonical_mask)
-        total = total + F.cross_entropy(z, targets[lo: lo + EVAL_CE_SLAB_ROWS], reduction="sum")
+            z_copy = z[:, COPY_TOKEN_ID].clone() if copy is not None else None
+            z = apply_canonical_mask(z, inputs[rows], canonical_mask)
+            if z_copy is not None:  # PR #379: the mask never drops `<copy>`
+                z[:, COPY_TOKEN_ID] = z_copy
+        if copy is None:
+            total = total + F.cross_entropy(z, targets[rows], reduction="sum")
+        else:
+            sums = validation_sums(z, targets[rows], copy[0][rows], copy[1][rows])  # (6,)
+            total = total + sums[1]
+            if diagnostics is not None:
+                diagnostics.add_(sums)
     return total / x.shape[0]
 
 
 class CandidateSampler:
     """The sampled softmax's candidate sets (record #360: track_1_short/sampled_softmax.py): no RNG, one set per step.
 
-    Every class that occurs as a target is in; the remaining P − U slots are negatives from a
-    stride sweep over the vocabulary, each rank starting at its own offset V·rank/world_size.
+    Every class that occurs as a target is in, and every class of `always` (CPLM's `<copy>`, PR #379:
+    its column gets a gradient every step); the remaining P − U − len(always) slots are negatives from
+    a stride sweep over the vocabulary, each rank starting at its own offset V·rank/world_size.
     """
 
-    def __init__(self, vocab_size: int, rank: int = 0, world_size: int = 1):
-        self.vocab_size = vocab_size
+    def __init__(self, vocab_size: int, rank: int = 0, world_size: int = 1, always: tuple[int, ...] = ()):
+        if any(not 0 <= c < vocab_size for c in always):
+            raise ValueError(f"CandidateSampler: always-included classes {always} must lie in [0, {vocab_size})")
+        self.vocab_size, self.always = vocab_size, tuple(always)
         sweep = (SAMPLED_SWEEP_STRIDE * torch.arange(vocab_size, dtype=torch.long)) % vocab_size
         if torch.unique(sweep).numel() != vocab_size:
             raise ValueError(f"CandidateSampler: stride {SAMPLED_SWEEP_STRIDE} is not coprime to V={vocab_size}")
@@ -177,9 +211,12 @@ class CandidateSampler:
         V, P = self.vocab_size, num_candidates
         marked = torch.zeros(V, dtype=torch.bool)
         marked[targets.long().cpu()] = True
+        distinct = int(marked.sum())
+        marked[list(self.always)] = True
         need = P - int(marked.sum())
         if need < 0:
-            raise ValueError(f"CandidateSampler: {P} candidates cannot hold {P - need} distinct targets")
+            extra = f" and the always-included classes {list(self.always)}" if self.always else ""
+            raise ValueError(f"CandidateSampler: {P} candidates cannot hold {distinct} distinct targets{extra}")
         if need > 0:
             draw = min(V, int(need * SAMPLED_DRAW_FACTOR) + SAMPLED_DRAW_EXTRA)
             window = self.sweep[self.offset: self.offset + draw]

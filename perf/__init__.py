@@ -1,8 +1,9 @@
 """The layer below the math, laid out as upstream's `track_1_short/perf/` is: what the math runs on.
 
     kernels/            the Triton kernels of the fast path, each beside its portable twin and held to it by
-                        a parity test (cross_entropy, mlp, ngram_embed, qkv_rope, symmetric_matmul,
-                        transpose, value_embed); fp8's delayed scales live in kernels/mlp.py's Fp8MLPState
+                        a parity test (copy_pointer, cross_entropy, mlp, ngram_embed, qkv_rope,
+                        symmetric_matmul, transpose, value_embed); fp8's delayed scales live in
+                        kernels/mlp.py's Fp8MLPState
     residual_fusion.py  scale / scale_add / rms_norm_with_head at every residual site
     fp8.py              the e4m3/e5m2 casts, scaled GEMMs, the fp8 QKV and lm_head
     attention_backends  SDPA, flex and FA3 behind one varlen call

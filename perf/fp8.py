@@ -5,6 +5,13 @@ recipe of record #360 (scales, clamps, delayed amaxes) runs in CPU tests exactly
 Two rules hold everywhere: clamp before every fp8 cast (an e4m3fn overflow is NaN, not a
 saturation), and `_scaled_mm`'s second operand is column-major (cuBLASLt's layout; the CPU accepts
 either, so `col_major` keeps the portable path honest about what the GPU needs).
+
+The fp8 lm_head loss (`fp8_lm_head_loss`, one autograd node: GEMM → e4m3 logits → softcapped CE)
+returns the loss and lse [T], and with gather_cols [T, M] also zg [T, M], the softcapped logits z at
+those columns, all three differentiable: their gradients meet in the CE's one e5m2 backward launch
+(perf/kernels/cross_entropy.py). A loss term in lse and a few gathered z (CPLM's mixture NLL, PR #379,
+in lse_t, z_t[y_t] and z_t[<copy>]) is then a line in model/, not a kernel edit; PR #379's
+`SoftcapLSEGather` is the same idea (frontier_cplm.md §9).
 """
 from __future__ import annotations
 
@@ -121,22 +128,24 @@ def lm_head_logits_e4m3(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor) -> Ten
 
 class Fp8LMHeadLossFunction(torch.autograd.Function):
     """The summed softcapped training loss of x [T, D] through the fp8 lm_head W[:, cols] (cols None =
-    every column) and the rows' lse [T], record #360's full-stack fp8 tail (track_1_short/model/gpt.py) as one
-    autograd node with two differentiable outputs.
+    every column), the rows' lse [T] and, with gather_cols [T, M], the gathered softcapped logits zg
+    [T, M]: record #360's full-stack fp8 tail (track_1_short/model/gpt.py) as one autograd node with
+    two differentiable outputs (three with gather_cols).
 
     Forward: e4m3 x and W, logits written as e4m3 bytes (1 per element, `lm_head_logits_e4m3`), the
     CE reads them (perf/kernels/cross_entropy.py). Saved for the backward: x8, W8, the e4m3 logits
-    and lse [T]; nothing wider than a byte at [T, N].
+    and lse [T] (and gather_cols); nothing wider than a byte at [T, N].
     Backward (the logit rounding passes the gradient straight through): the CE recomputes σ from the
-    e4m3 logits and writes the logit gradient of grad_out·Σ L + Σ grad_lse·lse as e5m2 with grad_s
-    (grad_lse None when nothing used lse: the lse-free launch); dx and dW without fast
+    e4m3 logits and writes the logit gradient of grad_out·Σ L + Σ grad_lse·lse + Σ grad_zg·zg as e5m2
+    with grad_s (grad_lse, grad_zg None when nothing used lse, zg: the lse-free, gather-free launch;
+    torch.compile passes zeros instead, which give the same numbers); dx and dW without fast
     accumulation; dW is dense [D, V] with zeros outside `cols`.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, cols: Tensor | None, targets: Tensor, prefix_targets: Tensor | None,
-                weights: Tensor, num_mtp: int) -> tuple[Tensor, Tensor]:
-        ctx.set_materialize_grads(False)  # an unused lse arrives as None
+                weights: Tensor, num_mtp: int, gather_cols: Tensor | None) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)  # an unused lse (zg) arrives as None
         x_s = _scale(LM_HEAD_X_SCALE, x.device)
         w_s = _scale(LM_HEAD_W_SCALE, x.device)
         x8 = quantize(x, x_s, E4M3)  # (T, D)
@@ -144,21 +153,21 @@ class Fp8LMHeadLossFunction(torch.autograd.Function):
         if cols is not None:
             w8 = w8[:, cols]  # (D, P)
         logits8 = lm_head_logits_e4m3(x8, w8, x_s, w_s)  # (T, N) e4m3
-        total, lse = softcapped_ce_e4m3(logits8, targets, prefix_targets, weights, num_mtp)
-        ctx.save_for_backward(x8, w8, cols, logits8, lse, targets, prefix_targets, weights)
+        out = softcapped_ce_e4m3(logits8, targets, prefix_targets, weights, num_mtp, gather_cols)  # total, lse[, zg]
+        ctx.save_for_backward(x8, w8, cols, logits8, out[1], targets, prefix_targets, weights, gather_cols)
         ctx.num_mtp, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = num_mtp, x.dtype, w.dtype, w.shape
-        return total, lse
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-        x8, w8, cols, logits8, lse, targets, prefix_targets, weights = ctx.saved_tensors
-        if grad_out is None:  # only lse was used
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None, grad_zg: Tensor | None = None):
+        x8, w8, cols, logits8, lse, targets, prefix_targets, weights, gather_cols = ctx.saved_tensors
+        if grad_out is None:  # only lse (or zg) was used
             grad_out = lse.new_zeros(())
         x_s = _scale(LM_HEAD_X_SCALE, lse.device)
         w_s = _scale(LM_HEAD_W_SCALE, lse.device)
         g_s = _scale(LM_HEAD_GRAD_SCALE, lse.device)
         g8 = softcapped_ce_grad_e5m2(logits8, lse, targets, prefix_targets, weights, ctx.num_mtp,
-                                     grad_out, g_s, grad_lse)  # (T, N) e5m2
+                                     grad_out, g_s, grad_lse, gather_cols, grad_zg)  # (T, N) e5m2
         dx = scaled_mm(g8, w8.t(), g_s, w_s, ctx.x_dtype, False) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
@@ -168,18 +177,23 @@ class Fp8LMHeadLossFunction(torch.autograd.Function):
             else:  # densify: exact zeros outside the candidate columns
                 dw = torch.zeros(ctx.w_shape, dtype=ctx.w_dtype, device=lse.device)
                 dw[:, cols] = dw_cols
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def fp8_lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
-                     prefix_weight, cols: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     prefix_weight, cols: Tensor | None = None,
+                     gather_cols: Tensor | None = None) -> tuple[Tensor, ...]:
     """(Σ_t L_t 0-D fp32, lse fp32 [T]), model/loss.py `softcapped_ce` of the final normed rows x [T, D]
     through the fp8 lm_head w [D, V], over the columns `cols` only if given (then targets and
-    prefix_targets are positions in cols, and lse is over those columns). Both are differentiable."""
+    prefix_targets are positions in cols, and lse is over those columns). Both are differentiable.
+
+    gather_cols (int64 [T, M], positions like the targets: in cols if given): also returns zg fp32
+    [T, M], the softcapped e4m3 logits z[t, gather_cols[t, m]] (0 outside [0, N)), differentiable,
+    as the third value; its gradient joins the same e5m2 backward launch."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"fp8_lm_head_loss: x {tuple(x.shape)} and lm_head {tuple(w.shape)} must be [T, D] and [D, V]")
     weights = loss_weights(mtp_weights, prefix_weight, x.device)  # [w_0..w_{K-1}, w_p]
-    return Fp8LMHeadLossFunction.apply(x, w, cols, targets, prefix_targets, weights, len(mtp_weights))
+    return Fp8LMHeadLossFunction.apply(x, w, cols, targets, prefix_targets, weights, len(mtp_weights), gather_cols)
 
 
 # The packed fp8 QKV projection of record #360 training (track_1_short/model/attention.py): static scales for the input

@@ -27,6 +27,7 @@ from config import RunConfig
 from data.loader import NO_NGRAM, dummy_batch, val_batches
 from data.ngram import ngram_hash_sizes
 from model.embeddings import NgramTable, ngram_shard_range
+from model.cplm import COPY_TOKEN_ID, diagnostics_line
 from model.gpt import GPT, StepArgs
 from model.loss import CandidateSampler
 from model.token_norm import token_norm_map
@@ -157,9 +158,11 @@ class Run:
                                         lanes=setup.accum)
             self.ngram_opt = NgramRowOptimizer(self.table.rows, self.table.rows.size(0), self.manager, self.exchange)
         self.step_weights = StepWeights(self.schedule, setup.device)  # MTP / prefix weights as tensors
-        self.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size)
+        always = (COPY_TOKEN_ID,) if features.cplm else ()  # PR #379: `<copy>` is a candidate every step
+        self.samplers = [CandidateSampler(cfg.model.vocab_size, r, cfg.virtual_world_size, always)
                          for r in setup.virtual_ranks] if features.sampled_softmax else []
         self.windows = self.schedule.windows(0)
+        self.validation_diagnostics: str | None = None  # a feature's line after the val line (validate)
         # one process playing several ranks: what each keeps for itself, a copy per virtual rank
         # (optim/lanes.py): gradients that live across steps, the fp8 delayed scales
         self.lanes = Lanes(setup.accum, self.per_rank_tensors) if setup.accum > 1 else None
@@ -569,6 +572,9 @@ class Run:
         cfg, setup = self.cfg, self.setup
         self.step_position = self.position = "validation"
         self.flush()  # the last update's gathers and fp8 refresh
+        diagnostics = self.model.cplm_diag  # CPLM's sums (PR #379), or None
+        if diagnostics is not None:
+            diagnostics.zero_()
         total = torch.zeros((), dtype=torch.float64, device=setup.device)
         for step_batches in zip(*batches):
             for host_batch in step_batches:
@@ -580,6 +586,10 @@ class Run:
                 total += loss.double() * batch.inputs.numel()
         if setup.world_size > 1:
             dist.all_reduce(total)
+            if diagnostics is not None:
+                dist.all_reduce(diagnostics)
+        # the line the run prints after the val line (off the clock): α, a_sink, the copy share
+        self.validation_diagnostics = diagnostics_line(diagnostics) if diagnostics is not None else None
         return total.item() / cfg.val_tokens
 
 

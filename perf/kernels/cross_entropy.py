@@ -1,4 +1,5 @@
-"""The fused softcapped cross-entropy of record #360: loss, lse and logit gradient, lse differentiable.
+"""The fused softcapped cross-entropy of record #360: loss, lse and logit gradient, lse differentiable,
+and the softcapped logits at a few given columns per row, differentiable too.
 
 The math is defined in model/loss.py (`softcap`, `softcapped_ce`: the softcap, lse and the per-row
 terms). A kernel imports no model file (docs/design.md, "Import rules"), so this module restates it, and
@@ -18,14 +19,32 @@ That matters: torch.compile hands an unused output's gradient over as zeros (eag
 None, which runs the lse-free launch, HAS_LSE_GRAD=False), so the compiled record, which has no
 lse term, runs the HAS_LSE_GRAD launch with a zero g_lse: a [T] read more per backward.
 
+The gathered z. Given gather_cols [T, M] (int64, M small and static), every path also returns
+    zg [T, M] = z_t[gather_cols[t, m]]  (fp32; 0 where the column is outside [0, N)),
+differentiable: its gradient g_zg [T, M] adds Σ_m g_zg[t, m]·[c = gather_cols[t, m]] to ∂/∂z_c above,
+in the same backward launch. Why: a loss term that is a function of lse_t and a few z_t[c] (CPLM's
+mixture NLL, PR #379: lse_t, z_t[y_t] and z_t[<copy>], with the CE's own next-token weight set to 0)
+is then a line of torch in model/, with no kernel edit, exactly as a term in lse is
+(docs/loss_terms.md). PR #379 ships the same idea as `SoftcapLSEGather` (frontier_cplm.md §9);
+it writes its mixture into the CE kernel's text instead (§6), which is the kernel edit this
+avoids. The fold is `_lse_fold`'s, with g_lse = 0 when only zg has a gradient: each gathered column
+adds g_zg/g at its one element (M compares per element, like the picks), so the sweep's factor
+g·(…)·σ(1 − σ)·23/7.5 gives g_zg there. A zero g_zg, or a column outside [0, N), leaves the element
+untouched (a select, not a + 0, which would turn a −0 into +0), so the compiled graph's zero g_zg
+gives the gather-free numbers bit for bit (for g ≠ 0; a training step has g = 1); a None g_zg runs
+the gather-free launch (NUM_GATHER = 0).
+
 Public functions (dispatched on `perf.backend.current().triton`):
-    softcapped_loss_lse(logits, targets, mtp_weights, prefix_targets, prefix_weight) -> (Σ_t L_t, lse [T])
+    softcapped_loss_lse(logits, targets, mtp_weights, prefix_targets, prefix_weight, gather_cols=None)
+        -> (Σ_t L_t, lse [T]), or (Σ_t L_t, lse [T], zg [T, M]) with gather_cols
         fp32/bf16 logits with autograd (the non-fp8 training path; model/loss.py): the forward
-        launch writes the loss and lse, the backward launch recomputes σ from the saved logits and
-        writes the gradient. `softcapped_loss_sum` is the same, loss alone.
-    softcapped_ce_e4m3(logits8, targets, prefix_targets, weights, num_mtp) -> (Σ_t L_t, lse [T])
+        launch writes the loss, lse (and zg), the backward launch recomputes σ from the saved logits
+        and writes the gradient. `softcapped_loss_sum` is the same, loss alone.
+    softcapped_ce_e4m3(logits8, targets, prefix_targets, weights, num_mtp, gather_cols=None)
+        -> (Σ_t L_t, lse [T]), or (Σ_t L_t, lse [T], zg [T, M]) with gather_cols
     softcapped_ce_grad_e5m2(logits8, lse, targets, prefix_targets, weights, num_mtp, grad_out, grad_scale,
-                            grad_lse=None) -> e5m2 [T, N] of ∂(grad_out·Σ L + Σ grad_lse·lse)/∂ℓ / grad_scale
+                            grad_lse=None, gather_cols=None, grad_zg=None)
+        -> e5m2 [T, N] of ∂(grad_out·Σ L + Σ grad_lse·lse + Σ grad_zg·zg)/∂ℓ / grad_scale
         The fp8 training path (perf/fp8.py `fp8_lm_head_loss`, record #360's full-stack fp8): the
         lm_head GEMM writes e4m3 logits (1 byte per element), the forward reads them and keeps only
         them and lse [T]; the backward recomputes σ from them and writes the gradient straight in
@@ -78,6 +97,19 @@ def _check_grad_lse(grad_lse: Tensor | None, T: int, name: str) -> None:
         raise ValueError(f"{name}: grad_lse must be [T] = [{T}], got {tuple(grad_lse.shape)}")
 
 
+def _check_gather(gather_cols: Tensor | None, grad_zg: Tensor | None, T: int, name: str) -> None:
+    """gather_cols int64 [T, M]; grad_zg (the backward's) [T, M] and only with gather_cols."""
+    if gather_cols is not None and (gather_cols.dim() != 2 or gather_cols.shape[0] != T
+                                    or gather_cols.dtype != torch.int64):
+        raise ValueError(f"{name}: gather_cols must be int64 [T, M] with T = {T}, got {gather_cols.dtype} "
+                         f"{tuple(gather_cols.shape)}")
+    if grad_zg is not None:
+        if gather_cols is None:
+            raise ValueError(f"{name}: grad_zg needs the gather_cols it is the gradient at")
+        if grad_zg.shape != gather_cols.shape:
+            raise ValueError(f"{name}: grad_zg must be [T, M] = {list(gather_cols.shape)}, got {tuple(grad_zg.shape)}")
+
+
 def _as_weight(w, device) -> Tensor:
     """A float or 0-D tensor weight as an fp32 0-D tensor on `device` (no host sync)."""
     if isinstance(w, Tensor):
@@ -102,6 +134,26 @@ def _lse_fold(grad_out: Tensor, grad_lse: Tensor, row_weight: Tensor) -> tuple[T
     return keep, row_weight * keep + grad_lse.float() / g, g
 
 
+def _gathered_z(logits: Tensor, gather_cols: Tensor) -> Tensor:
+    """zg [T, M] fp32 = z[t, gather_cols[t, m]], 0 where the column is outside [0, N): the softcap of
+    the gathered entries alone (T·M of them), in the kernels' operation order."""
+    T, N = logits.shape
+    inside = (gather_cols >= 0) & (gather_cols < N)  # (T, M)
+    rows = torch.arange(T, device=logits.device)[:, None]  # (T, 1); indexing, since gather has no fp8 kernel
+    picked = logits[rows, torch.where(inside, gather_cols, 0)]  # (T, M) in the logits' dtype
+    return torch.where(inside, SOFTCAP_A * _softcap_sigma(picked), 0.0)
+
+
+def _gather_fold(gather_cols: Tensor, grad_zg: Tensor, g: Tensor, N: int) -> tuple[Tensor, Tensor]:
+    """grad_zg as per-row additions to dz (the twin of the kernels' `_gather_plus`): (cols, u), each
+    [T, M], u = grad_zg/g, so that g·(dz + u at col) puts grad_zg on that z; cols −1 where the column
+    is outside [0, N) or grad_zg = 0, which leaves the element untouched (a zero grad_zg: the
+    gather-free numbers bit for bit)."""
+    grad_zg = grad_zg.float()
+    hit = (gather_cols >= 0) & (gather_cols < N) & (grad_zg != 0)
+    return torch.where(hit, gather_cols, -1), grad_zg / g
+
+
 def loss_weights(mtp_weights, prefix_weight, device) -> Tensor:
     """[w_0, .., w_{K-1}, w_p] as one fp32 [K + 1] tensor (w_p = 0 without a prefix term)."""
     if len(mtp_weights) == 0:
@@ -114,35 +166,39 @@ def loss_weights(mtp_weights, prefix_weight, device) -> Tensor:
 # Portable twins: model/loss.py's math (`softcapped_ce`) restated in the kernels' operation order
 
 class _SoftcappedLoss(torch.autograd.Function):
-    """Σ_t L_t and lse [T] of logits [T, N] (fp32 or bf16) and their logit gradient, one slab of
-    CE_SLAB_ROWS rows at a time: like the kernel, it keeps the logits themselves (2 bytes per element
-    in bf16) and lse for the backward, which recomputes σ; the fp32 [rows, N] temporaries live one
-    slab at a time and the gradient is written in the logits' dtype."""
+    """Σ_t L_t and lse [T] (and zg [T, M] with gather_cols) of logits [T, N] (fp32 or bf16) and their
+    logit gradient, one slab of CE_SLAB_ROWS rows at a time: like the kernel, it keeps the logits
+    themselves (2 bytes per element in bf16) and lse for the backward, which recomputes σ; the fp32
+    [rows, N] temporaries live one slab at a time and the gradient is written in the logits' dtype."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
-                num_mtp: int) -> tuple[Tensor, Tensor]:
-        ctx.set_materialize_grads(False)  # an unused lse arrives as None: the lse-free backward
+                num_mtp: int, gather_cols: Tensor | None) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)  # an unused lse (zg) arrives as None: the lse-free (gather-free) backward
         total, lse = _slabbed_loss_lse(logits, targets, prefix_targets, weights, num_mtp)
-        ctx.save_for_backward(logits, lse, targets, prefix_targets, weights)
+        ctx.save_for_backward(logits, lse, targets, prefix_targets, weights, gather_cols)
         ctx.num_mtp = num_mtp
-        return total, lse
+        if gather_cols is None:
+            return total, lse
+        return total, lse, _gathered_z(logits, gather_cols)  # zg (T, M)
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-        logits, lse, targets, prefix_targets, weights = ctx.saved_tensors
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None, grad_zg: Tensor | None = None):
+        logits, lse, targets, prefix_targets, weights, gather_cols = ctx.saved_tensors
         grad = torch.empty_like(logits)
         _logit_grad_slabs(logits, lse, targets, prefix_targets, weights, ctx.num_mtp, _grad_or_zero(grad_out, lse),
-                          grad_lse, grad, lambda g: g, GRAD_SLAB_ROWS)
-        return grad, None, None, None, None
+                          grad_lse, grad, lambda g: g, GRAD_SLAB_ROWS, gather_cols, grad_zg)
+        return grad, None, None, None, None, None
 
 
 def softcapped_loss_lse_portable(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
-                                 prefix_weight) -> tuple[Tensor, Tensor]:
-    """(Σ_t L_t, lse [T]) for logits [T, N] and targets (class positions in [0, N), others skipped) [T]."""
+                                 prefix_weight, gather_cols: Tensor | None = None) -> tuple[Tensor, ...]:
+    """(Σ_t L_t, lse [T]) for logits [T, N] and targets (class positions in [0, N), others skipped) [T];
+    with gather_cols (int64 [T, M]) also zg [T, M] = z at those columns (0 outside [0, N))."""
     _check_inputs(logits, targets, prefix_targets)
+    _check_gather(gather_cols, None, logits.shape[0], "softcapped_loss_lse")
     weights = loss_weights(mtp_weights, prefix_weight, logits.device)  # [w_0..w_{K-1}, w_p]
-    return _SoftcappedLoss.apply(logits, targets, prefix_targets, weights, len(mtp_weights))
+    return _SoftcappedLoss.apply(logits, targets, prefix_targets, weights, len(mtp_weights), gather_cols)
 
 
 def softcapped_loss_sum_portable(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
@@ -190,20 +246,28 @@ def _softcap_sigma(logits: Tensor) -> Tensor:
 
 
 def softcapped_ce_e4m3_portable(logits8: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
-                                num_mtp: int) -> tuple[Tensor, Tensor]:
-    """Σ_t L_t (0-D fp32) and lse (fp32 [T]) of e4m3 logits [T, N]: the forward of the fp8 path.
+                                num_mtp: int, gather_cols: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Σ_t L_t (0-D fp32) and lse (fp32 [T]) of e4m3 logits [T, N]: the forward of the fp8 path; with
+    gather_cols (int64 [T, M]) also zg (fp32 [T, M]), z at those columns (0 outside [0, N)).
 
-    σ lives one slab of CE_SLAB_ROWS rows at a time; the picked z are recomputed from the picked bytes."""
+    σ lives one slab of CE_SLAB_ROWS rows at a time; the picked and gathered z are recomputed from
+    their bytes."""
     _check_inputs(logits8, targets, prefix_targets, (E4M3,), "softcapped_ce_e4m3")
-    return _slabbed_loss_lse(logits8, targets, prefix_targets, weights, num_mtp)
+    _check_gather(gather_cols, None, logits8.shape[0], "softcapped_ce_e4m3")
+    total, lse = _slabbed_loss_lse(logits8, targets, prefix_targets, weights, num_mtp)
+    if gather_cols is None:
+        return total, lse
+    return total, lse, _gathered_z(logits8, gather_cols)
 
 
 def _logit_grad_slabs(logits: Tensor, lse: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
                       num_mtp: int, grad_out: Tensor, grad_lse: Tensor | None, out: Tensor, finish,
-                      slab_rows: int = CE_SLAB_ROWS) -> None:
-    """out [T, N] = finish(∂(grad_out·Σ_t L_t + Σ_t grad_lse_t·lse_t)/∂ℓ), one slab of `slab_rows` rows
-    at a time, σ recomputed from the logits: ∂L/∂ℓ = (23/7.5)·σ(1 − σ)·(S_t·softmax(z_t) − Σ w·[class =
-    target]), ∂lse/∂ℓ = (23/7.5)·σ(1 − σ)·softmax(z_t). grad_lse None: no lse term (the lse-free pass).
+                      slab_rows: int = CE_SLAB_ROWS, gather_cols: Tensor | None = None,
+                      grad_zg: Tensor | None = None) -> None:
+    """out [T, N] = finish(∂(grad_out·Σ_t L_t + Σ_t grad_lse_t·lse_t + Σ_tm grad_zg_tm·zg_tm)/∂ℓ), one slab
+    of `slab_rows` rows at a time, σ recomputed from the logits: ∂L/∂ℓ = (23/7.5)·σ(1 − σ)·(S_t·softmax(z_t)
+    − Σ w·[class = target]), ∂lse/∂ℓ = (23/7.5)·σ(1 − σ)·softmax(z_t), ∂zg_tm/∂ℓ = (23/7.5)·σ(1 − σ)·[c =
+    gather_cols_tm]. grad_lse (grad_zg) None: no lse (gathered-z) term, the lse-free (gather-free) pass.
     finish maps an fp32 slab of the gradient to what `out` stores (its dtype, the e5m2 scale)."""
     T, N = logits.shape
     terms = _terms(T, N, targets, prefix_targets, weights, num_mtp)
@@ -211,9 +275,13 @@ def _logit_grad_slabs(logits: Tensor, lse: Tensor, targets: Tensor, prefix_targe
     for classes, w in terms:
         row_weight[: classes.numel()] += w
     grad_out = grad_out.float().reshape(())
-    if grad_lse is not None:  # S_t → S'_t, picks ·keep, grad_out → g: per-row scalars only
-        keep, row_weight, grad_out = _lse_fold(grad_out, grad_lse, row_weight)
+    if grad_lse is not None or grad_zg is not None:  # S_t → S'_t, picks ·keep, grad_out → g: per-row scalars only
+        # zg alone folds like a zero grad_lse: with g = 0 the picks must go and g become 1 (`_lse_fold`)
+        keep, row_weight, grad_out = _lse_fold(grad_out, torch.zeros_like(lse) if grad_lse is None else grad_lse,
+                                               row_weight)
         terms = [(classes, w * keep) for classes, w in terms]
+    if grad_zg is not None:
+        gather_hits, gather_add = _gather_fold(gather_cols, grad_zg, grad_out, N)  # (T, M) each
     for lo in range(0, T, slab_rows):
         hi = min(T, lo + slab_rows)
         sig = _softcap_sigma(logits[lo:hi])  # (rows, N)
@@ -224,20 +292,30 @@ def _logit_grad_slabs(logits: Tensor, lse: Tensor, targets: Tensor, prefix_targe
             if n > 0:
                 rows = torch.arange(n, device=dz.device)
                 dz.index_put_((rows, classes[lo: lo + n]), -w[lo: lo + n], accumulate=True)
+        if grad_zg is not None:  # + grad_zg/g at each gathered (row, column), in m order, as the kernels
+            rows = torch.arange(hi - lo, device=dz.device)
+            for m in range(gather_hits.shape[1]):
+                col, hit = gather_hits[lo:hi, m], gather_hits[lo:hi, m] >= 0  # (rows,)
+                col = torch.where(hit, col, 0)  # a miss reads and writes back column 0 unchanged (no host sync)
+                here = dz[rows, col]
+                dz[rows, col] = torch.where(hit, here + gather_add[lo:hi, m], here)
         dz.mul_(sig).mul_(sig.neg_().add_(1))  # ·σ(1 − σ)
         out[lo:hi] = finish(dz.mul_(SOFTCAP_A / SOFTCAP_C).mul_(grad_out))
 
 
 def softcapped_ce_grad_e5m2_portable(logits8: Tensor, lse: Tensor, targets: Tensor, prefix_targets: Tensor | None,
                                      weights: Tensor, num_mtp: int, grad_out: Tensor, grad_scale: Tensor,
-                                     grad_lse: Tensor | None = None) -> Tensor:
-    """e5m2 [T, N] of ∂(grad_out·Σ_t L_t + Σ_t grad_lse_t·lse_t)/∂ℓ / grad_scale (saturated to ±57344),
-    from the e4m3 logits and the forward's lse (`_logit_grad_slabs`)."""
+                                     grad_lse: Tensor | None = None, gather_cols: Tensor | None = None,
+                                     grad_zg: Tensor | None = None) -> Tensor:
+    """e5m2 [T, N] of ∂(grad_out·Σ_t L_t + Σ_t grad_lse_t·lse_t + Σ_tm grad_zg_tm·zg_tm)/∂ℓ / grad_scale
+    (saturated to ±57344), from the e4m3 logits and the forward's lse (`_logit_grad_slabs`)."""
     _check_inputs(logits8, targets, prefix_targets, (E4M3,), "softcapped_ce_grad_e5m2")
     _check_grad_lse(grad_lse, logits8.shape[0], "softcapped_ce_grad_e5m2")
+    _check_gather(gather_cols, grad_zg, logits8.shape[0], "softcapped_ce_grad_e5m2")
     out = torch.empty(logits8.shape, dtype=E5M2, device=logits8.device)
     _logit_grad_slabs(logits8, lse, targets, prefix_targets, weights, num_mtp, grad_out, grad_lse, out,
-                      lambda g: g.div_(grad_scale).clamp_(-E5M2_MAX, E5M2_MAX).to(E5M2))
+                      lambda g: g.div_(grad_scale).clamp_(-E5M2_MAX, E5M2_MAX).to(E5M2), CE_SLAB_ROWS,
+                      gather_cols, grad_zg)
     return out
 
 
@@ -261,17 +339,17 @@ def _prefix_term(prefix_ptr, weights_ptr, row, N, NUM_MTP: tl.constexpr):
 
 @triton.jit
 def _picks_minus(dz, c, targets_ptr, prefix_ptr, weights_ptr, row, T, N, keep,
-                 NUM_MTP: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_LSE_GRAD: tl.constexpr):
+                 NUM_MTP: tl.constexpr, HAS_PREFIX: tl.constexpr, FOLDED: tl.constexpr):
     """dz − Σ w·[c = class] over the row's terms, in the twin's order (MTP k = 0.., then the prefix);
-    with HAS_LSE_GRAD each w is keep·w (`_lse_fold_rows`, a scalar per row)."""
+    FOLDED (a grad_lse or grad_zg folded in) makes each w keep·w (`_lse_fold_rows`, a scalar per row)."""
     for k in tl.static_range(NUM_MTP):
         target, w = _mtp_term(targets_ptr, weights_ptr, row, k, T, N)
-        if HAS_LSE_GRAD:
+        if FOLDED:
             w = w * keep
         dz -= tl.where(c == target, w, 0.0)
     if HAS_PREFIX:
         prefix, w = _prefix_term(prefix_ptr, weights_ptr, row, N, NUM_MTP)
-        if HAS_LSE_GRAD:
+        if FOLDED:
             w = w * keep
         dz -= tl.where(c == prefix, w, 0.0)
     return dz
@@ -285,6 +363,32 @@ def _lse_fold_rows(grad_out, grad_lse, pick_weight):
     g = tl.where(nonzero, grad_out, 1.0)
     keep = tl.where(nonzero, 1.0, 0.0)
     return keep, pick_weight * keep + grad_lse / g, g
+
+
+@triton.jit
+def _store_gathered_z(row_logits, gather_ptr, zg_ptr, row, N, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
+                      NUM_GATHER: tl.constexpr):
+    """zg[t, m] = z_t[gather_cols[t, m]] (0 where the column is outside [0, N)) for the row's M
+    gathered columns, each one masked scalar load (twin: `_gathered_z`)."""
+    for m in tl.static_range(NUM_GATHER):
+        col = tl.load(gather_ptr + row * NUM_GATHER + m)
+        inside = (col >= 0) & (col < N)
+        ell = tl.load(row_logits + col, mask=inside, other=0.0).to(tl.float32)
+        tl.store(zg_ptr + row * NUM_GATHER + m, tl.where(inside, A * tl.sigmoid((ell + B) / C), 0.0))
+
+
+@triton.jit
+def _gather_plus(dz, c, gather_ptr, grad_zg_ptr, row, N, g, NUM_GATHER: tl.constexpr):
+    """dz + grad_zg[t, m]/g at c = gather_cols[t, m], m in order (twin: `_gather_fold`): the sweep's
+    factor g then puts grad_zg on that z. A select, not dz + 0 elsewhere (−0 + 0 = +0), and no hit
+    for a zero grad_zg or a column outside [0, N): a zero grad_zg gives the gather-free numbers bit
+    for bit. Per element, M compares and selects, like the picks."""
+    for m in tl.static_range(NUM_GATHER):
+        col = tl.load(gather_ptr + row * NUM_GATHER + m)
+        grad_zg = tl.load(grad_zg_ptr + row * NUM_GATHER + m)
+        col = tl.where((col >= 0) & (col < N) & (grad_zg != 0.0), col, -1)
+        dz = tl.where(c == col, dz + grad_zg / g, dz)
+    return dz
 
 
 @triton.jit
@@ -311,13 +415,16 @@ def _e5m2_bits(v):
 @triton.jit
 def _softcapped_ce_kernel(
     logits_ptr, targets_ptr, prefix_ptr, weights_ptr, row_loss_ptr, lse_ptr, grad_ptr, grad_out_ptr, grad_lse_ptr,
+    gather_ptr, zg_ptr, grad_zg_ptr,
     T, N, stride_logits, stride_grad,
     A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
     NUM_MTP: tl.constexpr, HAS_PREFIX: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LSE_GRAD: tl.constexpr = False,
+    HAS_LSE_GRAD: tl.constexpr = False, NUM_GATHER: tl.constexpr = 0,
 ):
     """One program per row t: L_t into row_loss[t], lse_t into lse[t] and, with WRITE_GRAD,
-    ∂(g·L_t + g_lse[t]·lse_t)/∂ℓ_t into grad[t, :] (g = grad_out[0]; g_lse read only with HAS_LSE_GRAD).
+    ∂(g·L_t + g_lse[t]·lse_t + Σ_m g_zg[t, m]·zg[t, m])/∂ℓ_t into grad[t, :] (g = grad_out[0]; g_lse
+    read only with HAS_LSE_GRAD). NUM_GATHER = M > 0: the forward launch (no WRITE_GRAD) writes zg[t, :]
+    at gather[t, :] (int64 [T, M]), the backward launch folds g_zg[t, :] in; 0: neither (gather-free).
 
     Softcap z = A·σ((ℓ + B)/C) with (A, B, C) = (23, 5, 7.5) passed as constexprs.
     Portable twins: `softcapped_loss_lse_portable` (row_loss.sum() and lse are its values, grad its
@@ -357,14 +464,20 @@ def _softcapped_ce_kernel(
     lse = A + tl.log(tl.sum(acc, axis=0))
     tl.store(row_loss_ptr + row, pick_weight * lse - picked_z)
     tl.store(lse_ptr + row, lse)
+    if NUM_GATHER > 0:
+        if not WRITE_GRAD:  # the forward launch; the backward's gather columns are for g_zg
+            _store_gathered_z(row_logits, gather_ptr, zg_ptr, row, N, A, B, C, NUM_GATHER)
 
-    # sweep 2: ∂L/∂ℓ = (23/7.5)·σ(1 − σ)·(S·softmax − Σ w·[class = target])·g; with HAS_LSE_GRAD,
-    # S, w and g are `_lse_fold_rows`'s per-row scalars (the lse term costs no per-element work)
+    # sweep 2: ∂L/∂ℓ = (23/7.5)·σ(1 − σ)·(S·softmax − Σ w·[class = target])·g; with HAS_LSE_GRAD (or
+    # NUM_GATHER, g_lse = 0), S, w and g are `_lse_fold_rows`'s per-row scalars (the lse term costs no
+    # per-element work), and `_gather_plus` adds g_zg/g at the gathered columns
     if WRITE_GRAD:
         grad_out = tl.load(grad_out_ptr)
         keep = 1.0
         if HAS_LSE_GRAD:
             keep, pick_weight, grad_out = _lse_fold_rows(grad_out, tl.load(grad_lse_ptr + row), pick_weight)
+        elif NUM_GATHER > 0:  # zg alone: the fold of a zero g_lse (g = 0 must still drop the picks)
+            keep, pick_weight, grad_out = _lse_fold_rows(grad_out, 0.0, pick_weight)
         row_grad = grad_ptr + row * stride_grad
         for n0 in range(0, N, BLOCK_N):
             c = n0 + cols
@@ -372,7 +485,8 @@ def _softcapped_ce_kernel(
             ell = tl.load(row_logits + c, mask=in_row, other=0.0).to(tl.float32)
             sig = tl.sigmoid((ell + B) / C)
             dz = _picks_minus(pick_weight * tl.exp(A * sig - lse), c, targets_ptr, prefix_ptr, weights_ptr,
-                              row, T, N, keep, NUM_MTP, HAS_PREFIX, HAS_LSE_GRAD)
+                              row, T, N, keep, NUM_MTP, HAS_PREFIX, HAS_LSE_GRAD or NUM_GATHER > 0)
+            dz = _gather_plus(dz, c, gather_ptr, grad_zg_ptr, row, N, grad_out, NUM_GATHER)
             grad = (A / C) * sig * (1.0 - sig) * dz * grad_out  # fp32, rounded once by the store
             tl.store(row_grad + c, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
 
@@ -380,17 +494,21 @@ def _softcapped_ce_kernel(
 @triton.jit
 def _softcapped_ce_grad_e5m2_kernel(
     logits_ptr, targets_ptr, prefix_ptr, weights_ptr, lse_ptr, grad_out_ptr, grad_scale_ptr, out_ptr, grad_lse_ptr,
+    gather_ptr, grad_zg_ptr,
     T, N, stride_logits, stride_out,
     A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, E5M2_MAX: tl.constexpr,
     NUM_MTP: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LSE_GRAD: tl.constexpr = False,
+    NUM_GATHER: tl.constexpr = 0,
 ):
-    """One program per row t: the e5m2 bytes of ∂(grad_out·L_t + grad_lse[t]·lse_t)/∂ℓ_t / grad_scale
-    into out[t, :] (uint8), from the e4m3 logits and the forward's lse[t]: the backward of the fp8
-    path (grad_lse read only with HAS_LSE_GRAD).
+    """One program per row t: the e5m2 bytes of ∂(grad_out·L_t + grad_lse[t]·lse_t + Σ_m
+    grad_zg[t, m]·zg[t, m])/∂ℓ_t / grad_scale into out[t, :] (uint8), from the e4m3 logits and the
+    forward's lse[t]: the backward of the fp8 path (grad_lse read only with HAS_LSE_GRAD; gather[t, :]
+    and grad_zg[t, :] only with NUM_GATHER = M > 0).
 
     Portable twin: `softcapped_ce_grad_e5m2_portable`, whose fp32 operation order this follows
-    (S·exp(23σ − lse), minus the picks, ·σ, ·(1 − σ), ·23/7.5, ·grad_out, / grad_scale, saturate;
-    with HAS_LSE_GRAD, S, the pick weights and grad_out are `_lse_fold_rows`'s).
+    (S·exp(23σ − lse), minus the picks, plus grad_zg/g at the gathered columns, ·σ, ·(1 − σ), ·23/7.5,
+    ·grad_out, / grad_scale, saturate; with HAS_LSE_GRAD or NUM_GATHER, S, the pick weights and
+    grad_out are `_lse_fold_rows`'s).
     """
     row = tl.program_id(0).to(tl.int64)
     row_logits = logits_ptr + row * stride_logits
@@ -409,13 +527,16 @@ def _softcapped_ce_grad_e5m2_kernel(
     keep = 1.0
     if HAS_LSE_GRAD:  # S, the pick weights and grad_out become per-row scalars with grad_lse folded in
         keep, pick_weight, grad_out = _lse_fold_rows(grad_out, tl.load(grad_lse_ptr + row), pick_weight)
+    elif NUM_GATHER > 0:  # zg alone: the fold of a zero grad_lse (grad_out = 0 must still drop the picks)
+        keep, pick_weight, grad_out = _lse_fold_rows(grad_out, 0.0, pick_weight)
     for n0 in range(0, N, BLOCK_N):
         c = n0 + cols
         in_row = c < N
         ell = tl.load(row_logits + c, mask=in_row, other=0.0).to(tl.float32)
         sig = tl.sigmoid((ell + B) / C)
         dz = _picks_minus(tl.exp(sig * A - lse) * pick_weight, c, targets_ptr, prefix_ptr, weights_ptr,
-                          row, T, N, keep, NUM_MTP, HAS_PREFIX, HAS_LSE_GRAD)
+                          row, T, N, keep, NUM_MTP, HAS_PREFIX, HAS_LSE_GRAD or NUM_GATHER > 0)
+        dz = _gather_plus(dz, c, gather_ptr, grad_zg_ptr, row, N, grad_out, NUM_GATHER)
         grad = dz * sig * (1.0 - sig) * (A / C) * grad_out / grad_scale
         grad = tl.minimum(tl.maximum(grad, -E5M2_MAX), E5M2_MAX)
         tl.store(row_out + c, _e5m2_bits(grad), mask=in_row)
@@ -433,59 +554,72 @@ def _tiles(device: torch.device) -> dict:
 
 
 def _launch_loss(logits: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor, num_mtp: int,
-                 grad: Tensor | None = None, grad_out: Tensor | None = None,
-                 grad_lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """row_loss [T] and lse [T] (fp32) of logits [T, N]; with `grad`, the gradient for the incoming
-    grad_out (fp32 [1]) and grad_lse (fp32 [T] or None) into it."""
+                 grad: Tensor | None = None, grad_out: Tensor | None = None, grad_lse: Tensor | None = None,
+                 gather_cols: Tensor | None = None, grad_zg: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """row_loss [T], lse [T] (fp32) and, with gather_cols and no `grad`, zg [T, M] (else None) of
+    logits [T, N]; with `grad`, the gradient for the incoming grad_out (fp32 [1]), grad_lse (fp32 [T]
+    or None) and grad_zg (fp32 [T, M] at gather_cols, or None) into it."""
     T, N = logits.shape
     row_loss = torch.empty(T, dtype=torch.float32, device=logits.device)
     lse = torch.empty(T, dtype=torch.float32, device=logits.device)
+    # the forward launch gathers zg; the backward launch folds grad_zg, or runs gather-free without one
+    gathering = gather_cols is not None and (grad is None or grad_zg is not None)
+    zg = None
+    if gather_cols is not None and grad is None:
+        zg = torch.empty(gather_cols.shape, dtype=torch.float32, device=logits.device)  # (T, M)
     if T > 0:
         _softcapped_ce_kernel[(T,)](
             logits, targets, targets if prefix_targets is None else prefix_targets, weights, row_loss, lse,
             row_loss if grad is None else grad, row_loss if grad_out is None else grad_out,  # unread without
             row_loss if grad_lse is None else grad_lse,  # WRITE_GRAD (and HAS_LSE_GRAD)
+            gather_cols.contiguous() if gathering else targets,  # unread with NUM_GATHER = 0
+            row_loss if zg is None else zg,  # written only by the gathering forward
+            grad_zg.float().contiguous() if gathering and grad is not None else row_loss,  # read by its backward
             T, N, logits.stride(0), 0 if grad is None else grad.stride(0),
             A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, NUM_MTP=num_mtp, HAS_PREFIX=prefix_targets is not None,
-            WRITE_GRAD=grad is not None, HAS_LSE_GRAD=grad_lse is not None, **_tiles(logits.device),
+            WRITE_GRAD=grad is not None, HAS_LSE_GRAD=grad_lse is not None,
+            NUM_GATHER=gather_cols.shape[1] if gathering else 0, **_tiles(logits.device),
         )
-    return row_loss, lse
+    return row_loss, lse, zg
 
 
 class _FusedSoftcappedLoss(torch.autograd.Function):
-    """Forward: one launch for the loss and lse. Backward: one launch that writes the logit gradient
-    from the saved logits (σ recomputed), grad_out and grad_lse folded in. The logits are saved in
-    place of a stored gradient of the same size."""
+    """Forward: one launch for the loss, lse (and zg). Backward: one launch that writes the logit
+    gradient from the saved logits (σ recomputed), grad_out, grad_lse and grad_zg folded in. The
+    logits are saved in place of a stored gradient of the same size."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
-                num_mtp: int) -> tuple[Tensor, Tensor]:
-        ctx.set_materialize_grads(False)  # an unused lse arrives as None: the lse-free launch
+                num_mtp: int, gather_cols: Tensor | None) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)  # an unused lse (zg) arrives as None: the lse-free (gather-free) launch
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        row_loss, lse = _launch_loss(logits, targets, prefix_targets, weights, num_mtp)
+        row_loss, lse, zg = _launch_loss(logits, targets, prefix_targets, weights, num_mtp, gather_cols=gather_cols)
         if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(logits, targets, prefix_targets, weights)
+            ctx.save_for_backward(logits, targets, prefix_targets, weights, gather_cols)
             ctx.num_mtp = num_mtp
-        return row_loss.sum(), lse
+        return (row_loss.sum(), lse) if zg is None else (row_loss.sum(), lse, zg)
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-        logits, targets, prefix_targets, weights = ctx.saved_tensors
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None, grad_zg: Tensor | None = None):
+        logits, targets, prefix_targets, weights, gather_cols = ctx.saved_tensors
         grad = torch.empty_like(logits)
         g = _grad_or_zero(grad_out, weights).reshape(1)
         lse_grad = None if grad_lse is None else grad_lse.float().contiguous()
-        _launch_loss(logits, targets, prefix_targets, weights, ctx.num_mtp, grad, g, lse_grad)
-        return grad, None, None, None, None
+        _launch_loss(logits, targets, prefix_targets, weights, ctx.num_mtp, grad, g, lse_grad, gather_cols, grad_zg)
+        return grad, None, None, None, None, None
 
 
 def softcapped_loss_lse_triton(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
-                               prefix_weight) -> tuple[Tensor, Tensor]:
-    """(Σ_t L_t, lse [T]) for logits [T, N] and targets [T]: `softcapped_loss_lse_portable`'s contract,
-    one kernel launch each way."""
+                               prefix_weight, gather_cols: Tensor | None = None) -> tuple[Tensor, ...]:
+    """(Σ_t L_t, lse [T]) for logits [T, N] and targets [T], with gather_cols also zg [T, M]:
+    `softcapped_loss_lse_portable`'s contract, one kernel launch each way."""
     _check_inputs(logits, targets, prefix_targets)
+    _check_gather(gather_cols, None, logits.shape[0], "softcapped_loss_lse")
     weights = loss_weights(mtp_weights, prefix_weight, logits.device)  # [w_0..w_{K-1}, w_p]
     prefix = None if prefix_targets is None else prefix_targets.contiguous()
-    return _FusedSoftcappedLoss.apply(logits, targets.contiguous(), prefix, weights, len(mtp_weights))
+    gather = None if gather_cols is None else gather_cols.contiguous()
+    return _FusedSoftcappedLoss.apply(logits, targets.contiguous(), prefix, weights, len(mtp_weights), gather)
 
 
 def softcapped_loss_sum_triton(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
@@ -495,21 +629,25 @@ def softcapped_loss_sum_triton(logits: Tensor, targets: Tensor, mtp_weights, pre
 
 
 def softcapped_ce_e4m3_triton(logits8: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
-                              num_mtp: int) -> tuple[Tensor, Tensor]:
+                              num_mtp: int, gather_cols: Tensor | None = None) -> tuple[Tensor, ...]:
     """`softcapped_ce_e4m3_portable`'s contract in one launch."""
     _check_inputs(logits8, targets, prefix_targets, (E4M3,), "softcapped_ce_e4m3")
+    _check_gather(gather_cols, None, logits8.shape[0], "softcapped_ce_e4m3")
     logits8 = logits8 if logits8.stride(-1) == 1 else logits8.contiguous()
     prefix = None if prefix_targets is None else prefix_targets.contiguous()
-    row_loss, lse = _launch_loss(logits8, targets.contiguous(), prefix, weights.float().contiguous(), num_mtp, None)
-    return row_loss.sum(), lse
+    row_loss, lse, zg = _launch_loss(logits8, targets.contiguous(), prefix, weights.float().contiguous(), num_mtp,
+                                     gather_cols=gather_cols)
+    return (row_loss.sum(), lse) if zg is None else (row_loss.sum(), lse, zg)
 
 
 def softcapped_ce_grad_e5m2_triton(logits8: Tensor, lse: Tensor, targets: Tensor, prefix_targets: Tensor | None,
                                    weights: Tensor, num_mtp: int, grad_out: Tensor, grad_scale: Tensor,
-                                   grad_lse: Tensor | None = None) -> Tensor:
+                                   grad_lse: Tensor | None = None, gather_cols: Tensor | None = None,
+                                   grad_zg: Tensor | None = None) -> Tensor:
     """`softcapped_ce_grad_e5m2_portable`'s contract in one launch."""
     _check_inputs(logits8, targets, prefix_targets, (E4M3,), "softcapped_ce_grad_e5m2")
     _check_grad_lse(grad_lse, logits8.shape[0], "softcapped_ce_grad_e5m2")
+    _check_gather(gather_cols, grad_zg, logits8.shape[0], "softcapped_ce_grad_e5m2")
     logits8 = logits8 if logits8.stride(-1) == 1 else logits8.contiguous()
     T, N = logits8.shape
     out = torch.empty((T, N), dtype=E5M2, device=logits8.device)
@@ -520,9 +658,12 @@ def softcapped_ce_grad_e5m2_triton(logits8: Tensor, lse: Tensor, targets: Tensor
             logits8, targets.contiguous(), prefix, weights.float().contiguous(), lse,
             grad_out.to(**f32).reshape(1), grad_scale.to(**f32).reshape(1), out.view(torch.uint8),
             lse if grad_lse is None else grad_lse.to(**f32).contiguous(),  # unread without HAS_LSE_GRAD
+            targets if grad_zg is None else gather_cols.contiguous(),  # both unread with NUM_GATHER = 0
+            lse if grad_zg is None else grad_zg.to(**f32).contiguous(),
             T, N, logits8.stride(0), out.stride(0),
             A=SOFTCAP_A, B=SOFTCAP_B, C=SOFTCAP_C, E5M2_MAX=E5M2_MAX, NUM_MTP=num_mtp,
-            HAS_PREFIX=prefix_targets is not None, HAS_LSE_GRAD=grad_lse is not None, **_tiles(logits8.device),
+            HAS_PREFIX=prefix_targets is not None, HAS_LSE_GRAD=grad_lse is not None,
+            NUM_GATHER=0 if grad_zg is None else gather_cols.shape[1], **_tiles(logits8.device),
         )
     return out
 
@@ -531,16 +672,18 @@ def softcapped_ce_grad_e5m2_triton(logits8: Tensor, lse: Tensor, targets: Tensor
 # Public ops
 
 def softcapped_loss_lse(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
-                        prefix_weight) -> tuple[Tensor, Tensor]:
+                        prefix_weight, gather_cols: Tensor | None = None) -> tuple[Tensor, ...]:
     """(Σ_t L_t 0-D fp32, lse fp32 [T]) for logits [T, N] and targets [T] (class positions; outside
-    [0, N) skipped), both differentiable: model/loss.py `softcapped_ce`, fused.
+    [0, N) skipped), both differentiable: model/loss.py `softcapped_ce`, fused. With gather_cols
+    (int64 [T, M], column positions like the targets), (Σ_t L_t, lse, zg fp32 [T, M]) with zg[t, m] =
+    softcap(logits)[t, gather_cols[t, m]] (0 outside [0, N)), differentiable as well.
 
     mtp_weights: w_k for the targets of rows t, t+1, ...; prefix_targets [T] (−1: none) with weight
     prefix_weight, or None. lse_t is over the N columns given (the candidate set C under the sampled softmax).
     """
     if current().triton:
-        return softcapped_loss_lse_triton(logits, targets, mtp_weights, prefix_targets, prefix_weight)
-    return softcapped_loss_lse_portable(logits, targets, mtp_weights, prefix_targets, prefix_weight)
+        return softcapped_loss_lse_triton(logits, targets, mtp_weights, prefix_targets, prefix_weight, gather_cols)
+    return softcapped_loss_lse_portable(logits, targets, mtp_weights, prefix_targets, prefix_weight, gather_cols)
 
 
 def softcapped_loss_sum(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
@@ -550,25 +693,29 @@ def softcapped_loss_sum(logits: Tensor, targets: Tensor, mtp_weights, prefix_tar
 
 
 def softcapped_ce_e4m3(logits8: Tensor, targets: Tensor, prefix_targets: Tensor | None, weights: Tensor,
-                       num_mtp: int) -> tuple[Tensor, Tensor]:
-    """Σ_t L_t (0-D fp32) and lse (fp32 [T]) of e4m3 logits [T, N] (no autograd: perf/fp8.py's
-    lm_head loss calls this forward and `softcapped_ce_grad_e5m2` in its backward).
+                       num_mtp: int, gather_cols: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Σ_t L_t (0-D fp32) and lse (fp32 [T]) of e4m3 logits [T, N], and with gather_cols (int64 [T, M])
+    zg (fp32 [T, M], the softcapped logits there, 0 outside [0, N)) as a third value (no autograd:
+    perf/fp8.py's lm_head loss calls this forward and `softcapped_ce_grad_e5m2` in its backward).
 
     weights: [w_0, .., w_{K-1}, w_p] fp32 (`loss_weights`); num_mtp = K; targets and prefix_targets
     as in `softcapped_loss_sum`."""
     if current().triton:
-        return softcapped_ce_e4m3_triton(logits8, targets, prefix_targets, weights, num_mtp)
-    return softcapped_ce_e4m3_portable(logits8, targets, prefix_targets, weights, num_mtp)
+        return softcapped_ce_e4m3_triton(logits8, targets, prefix_targets, weights, num_mtp, gather_cols)
+    return softcapped_ce_e4m3_portable(logits8, targets, prefix_targets, weights, num_mtp, gather_cols)
 
 
 def softcapped_ce_grad_e5m2(logits8: Tensor, lse: Tensor, targets: Tensor, prefix_targets: Tensor | None,
                             weights: Tensor, num_mtp: int, grad_out: Tensor, grad_scale: Tensor,
-                            grad_lse: Tensor | None = None) -> Tensor:
-    """e5m2 [T, N]: ∂(grad_out·Σ_t L_t + Σ_t grad_lse_t·lse_t)/∂ℓ / grad_scale, saturated to ±57344 (the
-    lm_head backward's gradient operand), from the e4m3 logits and `softcapped_ce_e4m3`'s lse.
-    grad_lse fp32 [T], or None when nothing used lse (the lse-free launch)."""
+                            grad_lse: Tensor | None = None, gather_cols: Tensor | None = None,
+                            grad_zg: Tensor | None = None) -> Tensor:
+    """e5m2 [T, N]: ∂(grad_out·Σ_t L_t + Σ_t grad_lse_t·lse_t + Σ_tm grad_zg_tm·zg_tm)/∂ℓ / grad_scale,
+    saturated to ±57344 (the lm_head backward's gradient operand), from the e4m3 logits and
+    `softcapped_ce_e4m3`'s lse. grad_lse fp32 [T], or None when nothing used lse (the lse-free
+    launch); grad_zg fp32 [T, M] at gather_cols (int64 [T, M]), or None when nothing used zg (the
+    gather-free launch)."""
     if current().triton:
         return softcapped_ce_grad_e5m2_triton(logits8, lse, targets, prefix_targets, weights, num_mtp, grad_out,
-                                              grad_scale, grad_lse)
+                                              grad_scale, grad_lse, gather_cols, grad_zg)
     return softcapped_ce_grad_e5m2_portable(logits8, lse, targets, prefix_targets, weights, num_mtp, grad_out,
-                                            grad_scale, grad_lse)
+                                            grad_scale, grad_lse, gather_cols, grad_zg)

@@ -163,7 +163,8 @@ def test_cli_module_entry_point():
     # a bad --config: tests/run/test_run_bad_input.py::test_every_entry_point_refuses_in_one_line
 
 
-# ---- the proposals' schedules: the record's rules at their base steps (frontier_doc_copy.md §1.4) ----
+# ---- the proposals' schedules: the record's rules at their base steps (frontier_doc_copy.md §1.4,
+# frontier_cplm.md §8) ----
 
 # (base steps, stage ends, split, cooldown start, lr_mult at stage starts 1..4, (step, P) changes, prefix
 # weight changes, first rail-β cooldown step, table events, last event), typed out from the spec's table
@@ -175,6 +176,10 @@ PROPOSAL_SCHEDULES = {
                           378, 1175),
     "doc_copy": (1060, [0, 303, 643, 1048, 1112, 1132], 1113, 222, [1.40897, 1.05356, 0.39199, 0.30],
                  [(0, 10240), (643, 14336), (913, 24576), (1048, 0)], [303, 388, 473, 558, 643], 1083, 367, 1131),
+    # frontier_cplm.md §8: 978 scheduled iterations (the rail engage, table cadence and tail windows keep
+    # the record's fixed steps: 346 events, the last at 1047)
+    "cplm": (978, [0, 279, 593, 971, 1030, 1050], 1031, 205, [1.41057, 1.05747, 0.39149, 0.30],
+             [(0, 10240), (593, 14336), (845, 24576), (971, 0)], [279, 358, 436, 515, 593], 1001, 346, 1047),
 }
 
 

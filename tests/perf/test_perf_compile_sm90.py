@@ -3,9 +3,9 @@
 The interpreter accepts code the compiler rejects (and the reverse), so CI also runs Triton's real
 compiler down to a cubin for the Hopper target. It runs in a subprocess because the test process
 imported the kernels under TRITON_INTERPRET=1, which makes @triton.jit build interpreter functions.
-The MLP GEMM kernels compile as a launch at record shapes specializes them (16-byte aligned pointers
-and sizes, unit inner strides): only then does Triton pipeline their loads, and the pipelined
-buffers must fit H100 shared memory.
+The MLP GEMM kernels and CPLM's pointer kernels compile as a launch at record shapes specializes them
+(16-byte aligned pointers and sizes, unit inner strides): only then does Triton pipeline their loads,
+and the pipelined buffers must fit H100 shared memory.
 """
 import os
 import subprocess
@@ -27,14 +27,15 @@ except ImportError as exc:
     print(f"SKIP: no Triton NVIDIA backend: {exc}")
     sys.exit(0)
 import triton.language as tl
-from perf.kernels import cross_entropy, mlp, ngram_embed, qkv_rope, symmetric_matmul, transpose, value_embed
+from perf.kernels import copy_pointer, cross_entropy, mlp, ngram_embed, qkv_rope, symmetric_matmul, transpose, value_embed
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 H100_SHARED_MEMORY = 232448  # bytes per block (227 KiB)
 
 
 def compile_sm90(kernel, pointers, constexprs, tiles, unit_args=None):
-    """unit_args: compile as a launch with aligned tensors specializes (these ints are 1, others % 16 == 0)."""
+    """unit_args: compile as a launch with aligned tensors specializes (these ints are 1, others % 16 == 0;
+    () for none equal to 1)."""
     options = {k: v for k, v in tiles.items() if k in LAUNCH_OPTIONS}
     constexprs = {**constexprs, **{k: v for k, v in tiles.items() if k not in LAUNCH_OPTIONS}}
     signature, attrs = {}, {}
@@ -86,18 +87,27 @@ softcap = dict(A=cross_entropy.SOFTCAP_A, B=cross_entropy.SOFTCAP_B, C=cross_ent
 for tiles in gpu_configs(cross_entropy.TILES):
     for logits in ("*fp32", "*bf16", "*fp8e4nv"):
         for prefix in (False, True):
-            # a compiled backward gets a zero lse gradient, not None: the record runs HAS_LSE_GRAD=True
+            # a compiled backward gets a zero lse gradient, not None: the record runs HAS_LSE_GRAD=True;
+            # NUM_GATHER = 2 (CPLM's (y_t, <copy>) gathered z): the forward writes zg, the backward folds
+            # grad_zg, with or without an lse gradient (with prefix only, to keep the count down)
             for write_grad, lse_grad in (((False, False), (True, False), (True, True)) if logits != "*fp8e4nv"
                                          else ((False, False),)):
-                compile_sm90(cross_entropy._softcapped_ce_kernel,
-                             dict(logits_ptr=logits, targets_ptr="*i64", prefix_ptr="*i64", weights_ptr="*fp32",
-                                  row_loss_ptr="*fp32", lse_ptr="*fp32", grad_ptr=logits if write_grad else "*fp32"),
-                             dict(softcap, HAS_PREFIX=prefix, WRITE_GRAD=write_grad, HAS_LSE_GRAD=lse_grad), tiles)
+                for gather in ((0, 2) if prefix else (0,)):
+                    compile_sm90(cross_entropy._softcapped_ce_kernel,
+                                 dict(logits_ptr=logits, targets_ptr="*i64", prefix_ptr="*i64", weights_ptr="*fp32",
+                                      row_loss_ptr="*fp32", lse_ptr="*fp32", grad_ptr=logits if write_grad else "*fp32",
+                                      gather_ptr="*i64"),
+                                 dict(softcap, HAS_PREFIX=prefix, WRITE_GRAD=write_grad, HAS_LSE_GRAD=lse_grad,
+                                      NUM_GATHER=gather), tiles)
+    for prefix in (False, True):  # the e5m2 gradient reads e4m3 logits only: once per variant
         for lse_grad in (False, True):
-            compile_sm90(cross_entropy._softcapped_ce_grad_e5m2_kernel,
-                         dict(logits_ptr="*fp8e4nv", targets_ptr="*i64", prefix_ptr="*i64", weights_ptr="*fp32",
-                              lse_ptr="*fp32", grad_out_ptr="*fp32", grad_scale_ptr="*fp32", out_ptr="*u8"),
-                         dict(softcap, E5M2_MAX=cross_entropy.E5M2_MAX, HAS_PREFIX=prefix, HAS_LSE_GRAD=lse_grad), tiles)
+            for gather in ((0, 2) if prefix else (0,)):
+                compile_sm90(cross_entropy._softcapped_ce_grad_e5m2_kernel,
+                             dict(logits_ptr="*fp8e4nv", targets_ptr="*i64", prefix_ptr="*i64", weights_ptr="*fp32",
+                                  lse_ptr="*fp32", grad_out_ptr="*fp32", grad_scale_ptr="*fp32", out_ptr="*u8",
+                                  gather_ptr="*i64"),
+                             dict(softcap, E5M2_MAX=cross_entropy.E5M2_MAX, HAS_PREFIX=prefix, HAS_LSE_GRAD=lse_grad,
+                                  NUM_GATHER=gather), tiles)
 mlp_unit_strides = ("stride_xd", "stride_gd", "stride_wd")  # the fp8 caches and activations are row-major
 for dtype in (tl.bfloat16, tl.float32):
     compile_sm90(mlp._up_relu2_fp8_kernel, dict(x8_ptr="*fp8e4nv", w1_ptr="*fp8e4nv", post8_ptr="*fp8e4nv",
@@ -117,6 +127,18 @@ for qk_dim, v_dim, paired, key_offset in ((64, 128, True, False), (64, 64, False
     compile_sm90(qkv_rope._qkv_rope_backward_kernel, dict(grad_q_ptr="*bf16", grad_k_ptr="*bf16", grad_v_ptr="*bf16",
                  qk_ptr="*bf16", factor1_ptr="*bf16", factor2_ptr="*bf16", g8_ptr="*fp8e4nv", g8_t_ptr="*fp8e4nv"),
                  dict(rope, QK_DTYPE=tl.bfloat16, V_DIM=v_dim, BLOCK_V=v_dim), qkv_rope.TILES["cuda_rope_backward"])
+# CPLM's pointer head (PR #379) at d = 128, specialized as a record launch is (aligned pointers, N and L
+# multiples of 16: the key and query tiles' loads pipelined): bf16 q/k on the tensor cores (the record) and
+# fp32 (UPCAST: IEEE dots, the GPU tests' other dtype and the most shared memory, ~115 KiB)
+pointer_ints = dict(inputs_ptr="*i32", targets_ptr="*i64", doc_ptr="*i32", dstart_ptr="*i32", dend_ptr="*i32")
+for tiles in gpu_configs(copy_pointer.TILES):
+    for qk in ("*bf16", "*fp32"):
+        pointer = dict(SCALE=128 ** -0.5, D=128, BLOCK_D=128, UPCAST=qk == "*fp32")
+        compile_sm90(copy_pointer._copy_pointer_fwd_kernel, dict(pointer_ints, q_ptr=qk, k_ptr=qk), pointer, tiles, ())
+        compile_sm90(copy_pointer._copy_pointer_dq_kernel, dict(pointer_ints, q_ptr=qk, k_ptr=qk, dq_ptr=qk),
+                     pointer, tiles, ())
+        compile_sm90(copy_pointer._copy_pointer_dk_kernel, dict(pointer_ints, q_ptr=qk, k_ptr=qk, dk_ptr=qk),
+                     pointer, tiles, ())
 print("ALL COMPILED")
 '''
 

@@ -167,6 +167,7 @@ PROBES = {
     "features.mtp": (False, S), "features.prefix_loss": (False, R), "features.fp8": (False, R),
     "features.residual_fusions": (False, R), "features.token_norm_hashes": (True, R),
     "features.doc_copy": (True, R, {"features.token_norm_hashes": True}),
+    "features.cplm": (True, R),
     "device": ("cuda", C), "virtual_world_size": (4, R), "allowed_world_sizes": ((1,), C),
     "requires_fast_path": (True, fast_path_piece), "data_path": ("elsewhere", C), "train_pattern": ("a_*.bin", C),
     "val_pattern": ("b_*.bin", C), "canonical_mask": (True, R), "seed": (1, seeded_piece),

@@ -39,22 +39,26 @@ VALUE_EMBED_ROWS = {
 # the rows features.doc_copy declares, as PR #378's track_1_short/training.py lists them (frontier_doc_copy.md §2.5)
 DOC_COPY_ROWS = {name: _adam((0.9, 0.99), wd_mul=0.0)
                  for name in ("copy_doc_scale", "copy_doc_bucket_embed", "copy_doc_site")}
+# the rows features.cplm declares, as PR #379's track_1_short/training.py lists them (frontier_cplm.md §3)
+CPLM_ROWS = {"copy_qk_bank": _adam((0.9, 0.99)), "copy_k_sink": _adam((0.9, 0.99), wd_mul=0.0),
+             "copy_qk_gain": _adam((0.9, 0.99), wd_mul=0.0)}
 
 
 def test_the_record_declarations_make_the_switches_the_table_and_the_doc():
     assert [f.name for f in dataclasses.fields(FeatureConfig)] == [f.name for f in FEATURES]
     assert all(f.type is bool and f.default is d.default for f, d in zip(dataclasses.fields(FeatureConfig), FEATURES))
     record = tuple(f for f in FEATURES if f.default)
-    assert [f.name for f in FEATURES if not f.default] == ["token_norm_hashes", "doc_copy"]  # past the record
+    assert [f.name for f in FEATURES if not f.default] == ["token_norm_hashes", "doc_copy", "cplm"]  # past the record
     assert adam.RECORD_PARAM_TABLE == adam.param_table(record)
     assert adam.PARAM_TABLE == adam.param_table(FEATURES)
     assert {p: r for f in record for p, r in f.params} == VALUE_EMBED_ROWS  # of the record's, only value_embeds adds
     assert adam.RECORD_PARAM_TABLE.keys() - adam.BASE_PARAM_TABLE.keys() == VALUE_EMBED_ROWS.keys()
-    assert adam.PARAM_TABLE.keys() - adam.RECORD_PARAM_TABLE.keys() == DOC_COPY_ROWS.keys()
+    assert adam.PARAM_TABLE.keys() - adam.RECORD_PARAM_TABLE.keys() == DOC_COPY_ROWS.keys() | CPLM_ROWS.keys()
     assert {p: adam.PARAM_TABLE[p] for p in DOC_COPY_ROWS} == DOC_COPY_ROWS
+    assert {p: adam.PARAM_TABLE[p] for p in CPLM_ROWS} == CPLM_ROWS
     owned = {p: f.name for f in FEATURES for p in f.param_names}
     assert owned == {"value_embeds": "value_embeds", "ve_gate_bank": "value_embeds",
-                     **{p: "doc_copy" for p in DOC_COPY_ROWS}}
+                     **{p: "doc_copy" for p in DOC_COPY_ROWS}, **{p: "cplm" for p in CPLM_ROWS}}
     # every record feature's parameter is one the record model has, in its order
     with torch.device("meta"):
         names = [n for n, _ in GPT(SMOKE.model).named_parameters()]
