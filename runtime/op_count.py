@@ -7,6 +7,7 @@ whose peak is known takes its MFU's numerator from here (runtime/throughput.py);
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -348,6 +349,94 @@ class _AttentionShapes(torch.autograd.Function):
         return (*grads, None, None)
 
 
+# ----------------------------------------------------------------------------------------------------
+# CPLM's pointer (PR #379): its Triton kernels' work, by the score tiles they visit
+# ----------------------------------------------------------------------------------------------------
+
+# perf/kernels/copy_pointer.py's launches: (kernel, part, tile products per visited tile, outputs: the last
+# this-many tensor arguments). The forward scores each tile (q·kᵀ); the dq and dk kernels each recompute
+# the scores and multiply ∂L/∂s by k (dq) or q (dk): one product of each is recomputation
+POINTER_KERNELS = (("_copy_pointer_fwd_kernel", "forward", 1, 3),
+                   ("_copy_pointer_dq_kernel", "dq", 2, 1),
+                   ("_copy_pointer_dk_kernel", "dk", 2, 1))
+
+
+def pointer_tiles(cu_seqlens, n: int, band: int, block_m: int, block_n: int) -> dict[str, int]:
+    """(BLOCK_M, BLOCK_N) score tiles each pointer kernel visits for n positions in the documents of
+    cu_seqlens (entries clamped to n) with band L, from the kernels' loop bounds: the forward and dq
+    kernels scan, for query tile m0, the key tiles from ⌊max(dstart(m0), ⌊m0/L⌋·L − L, 0)/BLOCK_N⌋·BLOCK_N
+    up to the tile's diagonal; the dk kernel, for key tile n0, the query tiles from n0 up to
+    min(dend(its last key), (⌊last key/L⌋ + 2)·L, n). Every tile is computed whole, valid pairs or not."""
+    cu = [min(int(c), n) for c in cu_seqlens]
+
+    def bounds(i: int) -> tuple[int, int]:  # (dstart, dend) of position i: the entries around it
+        d = bisect.bisect_right(cu, i)
+        return (cu[d - 1] if d else 0), (cu[d] if d < len(cu) else n)
+
+    query = key = 0
+    for m0 in range(0, n, block_m):
+        lo = max(bounds(m0)[0], (m0 // band) * band - band, 0)
+        query += len(range(lo // block_n * block_n, min(m0 + block_m, n) - 1, block_n))
+    for n0 in range(0, n, block_n):
+        last = min(n0 + block_n, n) - 1
+        key += len(range(n0, min(bounds(last)[1], (last // band + 2) * band, n), block_m))
+    return {"forward": query, "dq": query, "dk": key}
+
+
+class _PointerLaunch:
+    """A stand-in for one of the pointer's Triton kernels (`kernel[grid](*args, **meta)`): computes
+    nothing; with a counter, counts the launch as the GPU runs it, at the "cuda" tiles
+    (perf.kernels.copy_pointer.TILES), whatever tiles the caller picked for its device: the tiles it
+    visits (`pointer_tiles`, over the host batch's segments), 2·BLOCK_M·BLOCK_N·BLOCK_D FLOPs per tile
+    product, and every tensor argument read once, its outputs written once (as the attention is priced)."""
+
+    def __init__(self, part: str, products: int, outputs: int, counter, host_cu_seqlens, totals):
+        self.part, self.products, self.outputs = part, products, outputs
+        self.counter, self.cu, self.totals = counter, host_cu_seqlens, totals
+
+    def __getitem__(self, grid):
+        return self.launch
+
+    def launch(self, *args, **meta) -> None:
+        from perf.kernels.copy_pointer import TILES
+
+        if self.counter is None:
+            return
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        n, band = (a for a in args if isinstance(a, int) and not isinstance(a, bool))  # N, L
+        bm, bn = TILES["cuda"]["BLOCK_M"], TILES["cuda"]["BLOCK_N"]
+        tiles = pointer_tiles(self.cu, n, band, bm, bn)[self.part]
+        flops = self.products * 2 * bm * bn * meta["BLOCK_D"] * tiles
+        reads, writes = tensors[:-self.outputs], tensors[-self.outputs:]
+        self.counter.external("attention", flops, reads, writes)
+        self.counter.flops["attention recompute"] += flops // self.products * (self.products - 1)
+        for key, value in (("tiles", tiles), ("flops", flops), ("bytes", sum(map(footprint, tensors)))):
+            self.totals[key][self.part] += value
+
+
+@contextlib.contextmanager
+def pointer_kernels(counter: FlopCounter | None, host_cu_seqlens=None, totals=None):
+    """CPLM's pointer (model/cplm.py) as the fast path runs it: `copy_pointer_triton` (its torch side as
+    it is: the sink score, the document bounds, the autograd Function and what it saves) with its three
+    launches replaced by `_PointerLaunch`: counted into `counter` (and `totals`: tiles, FLOPs, bytes by
+    kernel) over the segments of host_cu_seqlens, or, counter None, skipped (the memory tool). Without it
+    the portable path would run the dense definition, [⌈N/L⌉, L, 2L] fp32 scores."""
+    import model.cplm
+    from perf.kernels import copy_pointer as kernels
+
+    totals = totals if totals is not None else {part: collections.Counter() for part in ("tiles", "flops", "bytes")}
+    dense = (kernels.copy_pointer_portable, kernels.copy_pointer)
+    with contextlib.ExitStack() as stack:
+        for name, value in list(vars(model.cplm).items()):
+            if any(value is f for f in dense):
+                stack.enter_context(mock.patch.object(model.cplm, name, kernels.copy_pointer_triton))
+        stack.enter_context(mock.patch.object(kernels, "copy_pointer", kernels.copy_pointer_triton))
+        for name, part, products, outputs in POINTER_KERNELS:
+            stack.enter_context(mock.patch.object(
+                kernels, name, _PointerLaunch(part, products, outputs, counter, host_cu_seqlens, totals)))
+        yield totals
+
+
 @dataclasses.dataclass
 class Traffic:
     """What a counted region (a step's forward and backward, an optimizer update) does besides its
@@ -394,6 +483,10 @@ class GeometryCost:
     # stable sort of 10·T int64 keys and the prefix scans are "other"; its scatters and gathers, "gather
     # and scatter"), counted inside `traffic` too; None without the feature
     matcher: dict[str, int] | None = None
+    # features.cplm: the pointer's three Triton launches per process and step (`pointer_kernels`): the 64×64
+    # score tiles each visits, its FLOPs and its bytes, by kernel ("forward", "dq", "dk"), counted inside
+    # `flops` and `traffic` too (as "attention"); None without the feature
+    pointer: dict[str, dict[str, int]] | None = None
 
     @property
     def model_flops(self) -> int:
@@ -439,9 +532,10 @@ def geometry_cost(rank, settings, steps) -> GeometryCost:
     counter = FlopCounter()
     attention = CountedAttention(counter, step.host_batch.cu_seqlens.tolist())
     matcher = FlopCounter()  # DocCopy's matcher alone: its ops reach `counter` too (the modes nest)
+    pointer = {part: collections.Counter() for part in ("tiles", "flops", "bytes")}  # CPLM's kernels alone
     with torch.device("meta"), use_backend(**PORTABLE_BACKEND), \
             mock.patch.object(model_attention, "varlen_attention", attention), fused_kernels(counter), counter, \
-            counted_matcher(matcher):
+            counted_matcher(matcher), pointer_kernels(counter, attention.cu, pointer):
         loss = step.forward(rank.model)
         loss.backward()
     rank.model.zero_grad(set_to_none=True)
@@ -452,7 +546,9 @@ def geometry_cost(rank, settings, steps) -> GeometryCost:
     hbm = {"n-gram row pull and gradient merge (estimate)": 2 * T * D * (2 + 2 + 4 + 4) * A} if cfg.features.ngram else {}
     return GeometryCost(settings, steps, T, A, {k: counter.flops[k] * A for k in (*KINDS, "attention recompute")},
                         hbm, Traffic.of(counter, A), step_parameters(rank.model, settings.softmax_p),
-                        {k: matcher.bytes[k] * A for k in BYTE_KINDS} if cfg.features.doc_copy else None)
+                        {k: matcher.bytes[k] * A for k in BYTE_KINDS} if cfg.features.doc_copy else None,
+                        {part: {k: v * A for k, v in c.items()} for part, c in pointer.items()} if cfg.features.cplm
+                        else None)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,12 @@ dispatch mode that sees every op:
   (query, key) pair per q/k and v dimension in the forward, the backward recomputing QKᵀ (3 d_qk +
   2 d_v per pair), the pairs counted from the batch's segments and the window. Pointwise ops count
   one FLOP per output element (their time is their bytes, below);
+* CPLM's pointer (features.cplm, PR #379): its three Triton kernels (perf/kernels/copy_pointer.py) run
+  as `op_count.pointer_kernels` stands them in for the dense definition, priced like the attention: the
+  64×64 score tiles each visits over the batch's segments and the band (`pointer_tiles`, the kernels'
+  loop bounds), 2·d FLOPs per pair of a tile per product (the forward 1, dq and dk 2 each, one of them
+  recomputed: hardware, not model FLOPs), each tensor argument read once; the head and the mixture are
+  counted again alone for the CPLM lines (`cplm_cost`);
 * bytes: every op reads its tensor inputs and writes its outputs at their dtypes (views and
   allocations free; a gather reads the rows it returns, a scatter the rows it adds to). The Triton
   kernels of the fast path are counted as the kernels (`FUSED_KERNELS`: their portable twins run,
@@ -39,14 +45,17 @@ this tool shares: the run imports neither the optimizer's phases, the bytes sent
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+from unittest import mock
 
 import torch
 
 from cli import parse_preset_args
 from config import RUN_PRESETS, RunConfig
 from runtime.meta_rank import build_rank_on_meta, each_with_progress, geometries, print_progress, standin_collectives
-from runtime.op_count import KINDS, FlopCounter, GeometryCost, Traffic, fused_kernels, geometry_cost
+from runtime.op_count import (KINDS, FlopCounter, GeometryCost, Traffic, fused_kernels, geometry_cost, pointer_kernels,
+                               pointer_tiles)
 from runtime.throughput import GEMM_KINDS, H100_SXM, H200_SXM, DevicePeak, mfu, tf32_matmuls
 
 
@@ -154,12 +163,109 @@ def host_table_bytes(cfg: RunConfig, tokens: int, accum: int, table_event: bool)
     return moved
 
 
+# ----------------------------------------------------------------------------------------------------
+# features.cplm (PR #379): the pointer head and the mixture, counted alone
+# ----------------------------------------------------------------------------------------------------
+
+# the training loss's per-row gathers for the mixture (model/loss.py, perf/kernels/cross_entropy.py), bytes
+# per row, not counted alone: the `<copy>` column index int64 written (8), the [T, 2] int64 gather_cols
+# stacked (16 read, 16 written), the CE reading it (16) and writing zg fp32 [T, 2] (8); its backward reading
+# gather_cols (16) and grad_zg (8). Inside the CE's one pass over the logits in each direction: no extra pass
+CE_GATHER_BYTES_PER_ROW = 8 + 32 + 24 + 24
+
+
+@dataclasses.dataclass
+class CplmCost:
+    """features.cplm at one geometry, per process and step: the pointer head (model/cplm.py `copy_head`: the
+    q/k projections, the QK norm, the pointer on its Triton kernels, `pointer_kernels`) and the mixture NLL
+    (`mixture_nll`), run alone on meta, forward and backward, with the arguments the step's forward gave
+    them. The step's own count (`GeometryCost`) holds the same work; this isolates it."""
+    segments: list[int]  # the pointer's documents: the lengths of the host batch's attention segments
+    band: int
+    pairs: int  # valid (query, source) pairs: j < i in i's segment, j ≥ ⌊i/L⌋·L − L
+    pointer: dict[str, dict[str, int]]  # the kernels: tiles, FLOPs, bytes by "forward", "dq", "dk"
+    flops: dict[str, int]  # head and mixture, by kind (the kernels as "attention"; "attention recompute" inside)
+    traffic: Traffic  # head and mixture
+    rows: int  # T × virtual ranks: the rows the CE gathers at
+
+    @property
+    def gather_bytes(self) -> int:
+        return CE_GATHER_BYTES_PER_ROW * self.rows
+
+    def seconds(self, peak: DevicePeak) -> float:
+        """The roofline of the head and the mixture (fused, as the step's floor) and the CE's gathers."""
+        return self.traffic.seconds(peak, fused=True) + self.gather_bytes / (peak.hbm_tb_per_s * 1e12)
+
+
+def pointer_pairs(cu_seqlens, n: int, band: int) -> int:
+    """Valid (query, source) pairs of the pointer (frontier_cplm.md §5): query i sees j iff dstart(i) ≤ j < i
+    and j ≥ ⌊i/L⌋·L − L, the documents those of cu_seqlens (entries clamped to n)."""
+    cu = torch.tensor([min(int(c), n) for c in cu_seqlens], dtype=torch.long)
+    i = torch.arange(n)
+    doc = torch.searchsorted(cu, i, right=True)
+    dstart = torch.cat([cu.new_zeros(1), cu])[doc]
+    lo = torch.maximum(dstart, (i // band) * band - band).clamp(min=0)
+    return int((i - lo).clamp(min=0).sum())
+
+
+@contextlib.contextmanager
+def recorded_cplm_calls():
+    """The step's `copy_head` (model/gpt.py) and `mixture_nll` (model/loss.py) calls, their arguments kept
+    (on meta: shapes, no values), the calls themselves unchanged."""
+    import model.gpt
+    import model.loss
+
+    calls: dict = {}
+
+    def recorder(owner, name):
+        fn = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            calls[name] = (fn, args, kwargs)
+            return fn(*args, **kwargs)
+        return mock.patch.object(owner, name, call)
+
+    with recorder(model.gpt, "copy_head"), recorder(model.loss, "mixture_nll"):
+        yield calls
+
+
+def cplm_cost(rank, g: GeometryCost, calls: dict) -> CplmCost:
+    """Count the step's CPLM calls (`recorded_cplm_calls`) alone: the head from fresh leaves of its inputs
+    to (p_copy, a_sink), then the mixture of those and fresh leaves of the CE's lse and gathered z, one
+    backward through both. h already holds a gradient (the lm_head's): autograd adds the pointer's to it, as
+    in the step."""
+    from perf.backend import use_backend
+    from runtime.meta_rank import PORTABLE_BACKEND, meta_step
+
+    head, head_args, head_kwargs = calls["copy_head"]
+    mixture, mix_args, _ = calls["mixture_nll"]
+    cu = meta_step(rank, g.settings, g.steps).host_batch.cu_seqlens.tolist()
+    h, *rest = head_args
+    band = rest[-1] if isinstance(rest[-1], int) else head_kwargs["band"]
+    counter = FlopCounter()
+    with torch.device("meta"), use_backend(**PORTABLE_BACKEND), fused_kernels(counter), \
+            pointer_kernels(counter, cu) as pointer:
+        h = h.detach().requires_grad_()
+        h.grad = torch.empty_like(h)
+        leaves = [t.detach().requires_grad_() for t in mix_args[:3]]  # z_target, z_copy, lse
+        with counter:
+            p_copy, a_sink = head(h, *rest, **head_kwargs)
+            mixture(*leaves, p_copy, a_sink).sum().backward()
+    rank.model.zero_grad(set_to_none=True)
+    A, T = rank.accum, g.tokens
+    lengths = [b - a for a, b in zip(cu, cu[1:]) if b > a]
+    return CplmCost(lengths, band, pointer_pairs(cu, T, band) * A,
+                    {part: {k: v * A for k, v in c.items()} for part, c in pointer.items()},
+                    {k: counter.flops[k] * A for k in (*KINDS, "attention recompute")}, Traffic.of(counter, A), T * A)
+
+
 @dataclasses.dataclass
 class ScheduleCost:
     cfg: RunConfig
     world_size: int
     geometries: list[GeometryCost]
     phases: list[PhaseCost]
+    cplm: list[CplmCost] | None = None  # features.cplm: per geometry, in the same order
 
     def geometry_at(self, step: int) -> GeometryCost:
         return self._by_step()[0][step]
@@ -222,8 +328,14 @@ def schedule_cost(cfg: RunConfig, world_size: int | None = None, optimizer: bool
     world_size = world_size or cfg.virtual_world_size
     rank = build_rank_on_meta(cfg, world_size)
     each = each_with_progress(geometries(rank.schedule), lambda g: f"cost: geometry at step {g[0].step}", progress)
-    return ScheduleCost(cfg, world_size, [geometry_cost(rank, s, steps) for s, steps in each],
-                        phase_costs(rank) if optimizer else [])
+    counted, cplm = [], []
+    for settings, steps in each:
+        with recorded_cplm_calls() as calls:
+            counted.append(geometry_cost(rank, settings, steps))
+        if cfg.features.cplm:
+            cplm.append(cplm_cost(rank, counted[-1], calls))
+    return ScheduleCost(cfg, world_size, counted, phase_costs(rank) if optimizer else [],
+                        cplm if cfg.features.cplm else None)
 
 
 RECORD_SECONDS = 39.9  # record #360 (README record #92): the time the floor is compared with
@@ -249,6 +361,75 @@ def matcher_lines(cost: ScheduleCost, peak: DevicePeak) -> list[str]:
         lines.append(f"  {g.steps[0]:>5}-{g.steps[-1]:<5} T={g.tokens:,}: {other / 1e6:,.1f} / {moved / 1e6:,.1f} / "
                      f"{rest / 1e6:,.1f} MB, {100 * sum(m.values()) / g.traffic.memory_bound_bytes:.2f} % of "
                      f"{g.traffic.memory_bound_bytes / 1e9:,.2f} GB, {1000 * sum(m.values()) / bw:.3f} ms")
+    return lines
+
+
+def _segments(lengths: list[int]) -> str:
+    """'16 × 2,048' or '16 × 2,560 + 16 × 512': the segments' lengths, by count, longest first."""
+    counts = collections.Counter(lengths)
+    return " + ".join(f"{n} × {length:,}" for length, n in sorted(counts.items(), reverse=True))
+
+
+def cplm_lines(cost: ScheduleCost, peak: DevicePeak) -> list[str]:
+    """features.cplm: per geometry, the pointer's kernels (tiles, FLOPs, bytes), the projections and the
+    rest of the head and the mixture, their time at the roofline and their share of the step's fused floor;
+    none without the feature."""
+    if not cost.cplm:
+        return []
+    from model.cplm import COPY_DIM
+    from perf.kernels.copy_pointer import TILES
+
+    bm, bn = TILES["cuda"]["BLOCK_M"], TILES["cuda"]["BLOCK_N"]
+    lines = [f"  cplm (PR #379), one rank's step: the pointer's 3 Triton kernels priced by the {bm}×{bn} score tiles "
+             f"they visit, band L = {cost.cplm[0].band:,}; its documents are the step's attention segments, priced "
+             f"as the attention is (documents of the stage's doc cap, cut at the virtual sequence cap; real "
+             f"documents are shorter: fewer pairs)",
+             f"  GFLOP pointer forward / dq / dk (in the attention column; 2·{COPY_DIM} per pair per tile product: the "
+             f"forward's q·kᵀ, and dq and dk each recompute it, then multiply by k or q) and the q/k projections "
+             f"(bf16 GEMM), forward + backward; MB the kernels move (q, k, dq, dk, the per-row fp32 scalars and "
+             f"int32 bounds, each once) and the rest (QK norm, sink score, mixture), unfused → fused; ms at the "
+             f"roofline, the CE's gathers in; share of the step's fused ms (optimizer in)"]
+    for g, c in zip(cost.geometries, cost.cplm):
+        p = c.pointer
+        evaluated = p["tiles"]["forward"] * bm * bn
+        rest = c.traffic.memory_bound_bytes
+        ms = 1000 * c.seconds(peak)
+        step_ms = 1000 * cost.floor(g.steps[0], peak, "fused")[0] if cost.phases else None
+        lines.append(
+            f"  {g.steps[0]:>5}-{g.steps[-1]:<5} T={g.tokens:,} ({_segments(c.segments)}): tiles "
+            f"{p['tiles']['forward']:,} forward and dq, {p['tiles']['dk']:,} dk ({100 * c.pairs / evaluated:.0f} % "
+            f"of the forward's {evaluated / 1e6:,.1f}M pairs valid); GFLOP {_g(p['flops']['forward'])} / "
+            f"{_g(p['flops']['dq'])} / {_g(p['flops']['dk'])}, projections {_g(c.flops['bf16 GEMM'])}; MB "
+            f"{sum(p['bytes'].values()) / 1e6:,.1f}, rest {rest / 1e6:,.1f} → {(rest - c.traffic.fusable) / 1e6:,.1f}; "
+            f"{ms:.3f} ms" + (f", {100 * ms / step_ms:.1f} % of {step_ms:.2f} ms" if step_ms else ""))
+    return lines
+
+
+def cplm_schedule_lines(cost: ScheduleCost, peak: DevicePeak, steps, fused_floor: float) -> list[str]:
+    """features.cplm over the schedule: its FLOPs, its time at the roofline, the CE's gathers (negligible)
+    and, for the record's preset on its ranks, the schedule's fused floor against the record's."""
+    if not cost.cplm:
+        return []
+    by_step = dict(zip((g.steps[0] for g in cost.geometries), cost.cplm))
+    at = [by_step[cost.geometry_at(s).steps[0]] for s in steps]
+    pointer = sum(sum(c.pointer["flops"].values()) for c in at)
+    recompute = sum(c.flops["attention recompute"] for c in at)
+    projections = sum(c.flops["bf16 GEMM"] for c in at)
+    seconds = sum(c.seconds(peak) for c in at)
+    wide = max(cost.cplm, key=lambda c: c.rows)
+    lines = [f"  cplm over the {len(steps)} steps: pointer kernels {pointer / 1e12:,.1f} TFLOP ({recompute / 1e12:,.1f} of "
+             f"it the backward kernels' recomputed scores), projections {projections / 1e12:,.1f} TFLOP; the head and "
+             f"the mixture {seconds:.2f} s of the {fused_floor:.2f} s fused floor ({100 * seconds / fused_floor:.1f} %); the CE's per-row gathers (z at the target and "
+             f"`<copy>`, {CE_GATHER_BYTES_PER_ROW} B per row: {wide.gather_bytes / 1e6:.1f} MB at T = {wide.rows:,}) "
+             f"are negligible, inside its one pass over the logits each way"]
+    cfg = cost.cfg
+    if cfg.name == "record" and not cfg.features.off() and cost.world_size == cfg.virtual_world_size:
+        from optim.schedule import TrainingSchedule
+
+        record_steps = TrainingSchedule(RUN_PRESETS["record"].schedule).total_steps
+        lines.append(f"  cplm: the schedule's fused floor is {fused_floor:.2f} s over {len(steps)} steps, against the "
+                     f"record's {RECORD_FLOOR_SECONDS:.2f} s over {record_steps} (RECORD_FLOOR_SECONDS): "
+                     f"{fused_floor - RECORD_FLOOR_SECONDS:+.2f} s".replace("-", "−"))
     return lines
 
 
@@ -278,6 +459,7 @@ def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> str:
                     f" {1000 * cost.floor(g.steps[0], peak, 'fused')[0]:>8.2f}")
         lines.append(row)
     lines += matcher_lines(cost, peak)
+    lines += cplm_lines(cost, peak)
     g = cost.geometries[-1]
     lines.append("  N by group at " + f"steps {g.steps[0]}-{g.steps[-1]}: "
                  + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in g.params.items())
@@ -342,6 +524,7 @@ def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> str:
     else:
         lines.append(f"    MFU basis (train_gpt.py's mfu): model FLOPs / (time × {peak.bf16_tflops:,.1f} TFLOP/s bf16 "
                      f"dense peak); peak fraction: each kind at its own peak")
+    lines += cplm_schedule_lines(cost, peak, steps, overlapped["fused"])
     if W < cfg.virtual_world_size:
         lines += _fewer_gpus_lines(cost, steps)
     lines.append("  left out: launch gaps, the host, the warmup and validation (off the clock), kernels below "

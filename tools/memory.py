@@ -42,6 +42,7 @@ from optim.schedule import StepSettings
 from runtime.meta_rank import (GIB, PORTABLE_BACKEND, RankOnMeta, build_rank_on_meta, each_with_progress,
                                    flash_attention_standin, geometries, gib, meta_step, nbytes, print_progress,
                                    storage_key, tensor_fields)
+from runtime.op_count import pointer_kernels
 from tools.capture_cost import capture_check_cost, format_capture_check
 from perf.host_table import H100_MEMORY_BYTES, choose_placement
 
@@ -92,8 +93,9 @@ def static_items(rank: RankOnMeta) -> list[MemoryItem]:
     """Per-rank memory held for the whole run, item by item (device items, then the host snapshot)."""
     m, cfg = rank.model, rank.cfg
     params = dict(m.named_parameters())
+    fp32 = sum(p.dtype == torch.float32 for p in params.values())
     items = [MemoryItem("parameters", sum(map(nbytes, params.values())),
-                        f"{sum(p.numel() for p in params.values()):,} values, every rank (bf16; 4 fp32 scalars)")]
+                        f"{sum(p.numel() for p in params.values()):,} values, every rank (bf16; {fp32} fp32 tensors)")]
     grads = [p for n, p in params.items() if n != "value_embeds"]
     items.append(MemoryItem("gradients (.grad)", sum(map(nbytes, grads)),
                             "parameter dtype; all but value_embeds (its backward adds into the fp16 cycle buffer)"))
@@ -226,6 +228,9 @@ class StepMemory:
     forward_peak: int  # live activations at the forward's worst moment (saved so far + temporaries)
     backward_peak: int  # ... at the backward's (parameter gradients left out: static)
     temporaries: list[TensorInfo]  # created and freed inside the forward, largest first
+    # features.cplm: what it saves for the backward, by part (`CPLM_PARTS`), each part's new storages (the
+    # head's include the pointer kernels'); inside `saved`. None without the feature
+    cplm_saved: dict[str, list[TensorInfo]] | None = None
 
     @property
     def activation_peak(self) -> int:
@@ -236,12 +241,13 @@ class StepMemory:
         return self.inputs + self.held_ngram + self.prefetch + self.activation_peak
 
 
-def saved_for_backward(fn, ignore: set[int] = frozenset()) -> tuple[object, dict[int, TensorInfo]]:
+def saved_for_backward(fn, ignore: set[int] = frozenset(),
+                       saved: dict[int, TensorInfo] | None = None) -> tuple[object, dict[int, TensorInfo]]:
     """fn()'s result and the tensors autograd saved for its backward: storage key -> info (whole
     storage bytes), each storage once however many views of it were saved, storages in `ignore`
     left out. Nothing is kept alive: saved tensors live until the backward anyway, so their keys
-    stay distinct while fn runs."""
-    saved: dict[int, TensorInfo] = {}
+    stay distinct while fn runs. saved: the dict to fill (a caller watching it while fn runs)."""
+    saved = {} if saved is None else saved
 
     def pack(t: Tensor) -> Tensor:
         key = storage_key(t)
@@ -252,6 +258,35 @@ def saved_for_backward(fn, ignore: set[int] = frozenset()) -> tuple[object, dict
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, saved
+
+
+# features.cplm's parts whose saved tensors the report lists: (part, module, attribute) of the call
+CPLM_PARTS = (("pointer kernels", "perf.kernels.copy_pointer", "CopyPointerFunction.apply"),
+              ("head", "model.gpt", "copy_head"),
+              ("mixture", "model.loss", "mixture_nll"))
+
+
+@contextlib.contextmanager
+def noted_saves(saved: dict[int, TensorInfo], parts: dict[str, set[int]]):
+    """Each call of CPLM_PARTS unchanged, the storages `saved` gains during it noted in parts[part]."""
+    import importlib
+
+    def noting(part, fn):
+        def call(*args, **kwargs):
+            before = set(saved)
+            out = fn(*args, **kwargs)
+            parts.setdefault(part, set()).update(set(saved) - before)
+            return out
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for part, module, attribute in CPLM_PARTS:
+            owner = importlib.import_module(module)
+            *path, name = attribute.split(".")
+            for step in path:
+                owner = getattr(owner, step)
+            stack.enter_context(mock.patch.object(owner, name, noting(part, getattr(owner, name))))
+        yield
 
 
 def step_memory(rank: RankOnMeta, settings: StepSettings, steps: list[int], flash: bool = True) -> StepMemory:
@@ -266,8 +301,10 @@ def step_memory(rank: RankOnMeta, settings: StepSettings, steps: list[int], flas
         tracker = LiveStorages(ignore)
         attention = mock.patch.object(model_attention, "varlen_attention", flash_attention_standin) \
             if flash else contextlib.nullcontext()
-        with use_backend(**PORTABLE_BACKEND), attention, tracker:
-            loss, saved = saved_for_backward(lambda: step.forward(m), ignore)
+        saved: dict[int, TensorInfo] = {}
+        cplm: dict[str, set[int]] = {}
+        with use_backend(**PORTABLE_BACKEND), attention, pointer_kernels(None), noted_saves(saved, cplm), tracker:
+            loss, saved = saved_for_backward(lambda: step.forward(m), ignore, saved)
             forward_end = tracker.mark()
             (loss / rank.accum).backward()
             del loss
@@ -287,7 +324,47 @@ def step_memory(rank: RankOnMeta, settings: StepSettings, steps: list[int], flas
         if current_backend().row_prefetch and rank.table is not None else 0
     return StepMemory(settings, len(steps), T, sum(map(nbytes, inputs)), held, pulls, sum(i.bytes for i in saved.values()),
                       sorted(saved.values(), key=lambda i: -i.bytes), tracker.peak(0, forward_end),
-                      tracker.peak(forward_end, backward_end, grads), tracker.temporaries(0, forward_end))
+                      tracker.peak(forward_end, backward_end, grads), tracker.temporaries(0, forward_end),
+                      {part: [saved[k] for k in cplm.get(part, ())] for part, _, _ in CPLM_PARTS}
+                      if rank.cfg.features.cplm else None)
+
+
+def cplm_static(rank: RankOnMeta) -> dict[str, int] | None:
+    """features.cplm's static share (inside the static rows): its parameters (config.FEATURES' declaration),
+    their values, bytes, gradients' bytes (in the parameters' dtypes) and Adam moments' bytes; None without it."""
+    from config import FEATURES
+
+    if not rank.cfg.features.cplm:
+        return None
+    names = next(f for f in FEATURES if f.name == "cplm").param_names
+    params = dict(rank.model.named_parameters())
+    return {"values": sum(params[n].numel() for n in names),
+            "parameters": sum(nbytes(params[n]) for n in names),
+            "gradients": sum(nbytes(params[n]) for n in names),
+            "adam": sum(nbytes(t) for n in names for t in tensor_fields(rank.manager.entries[n].state))}
+
+
+def cplm_lines(report: "MemoryReport") -> list[str]:
+    """features.cplm (PR #379): its parameters with their gradients and Adam state (in the static rows) and,
+    per geometry, what its parts save for the backward (inside the saved column); none without it."""
+    static = cplm_static(report.rank)
+    if static is None:
+        return []
+    params = dict(report.rank.model.named_parameters())
+    shapes = ", ".join(f"{n} {str(params[n].dtype).removeprefix('torch.')} {list(params[n].shape)}"
+                       for n in ("copy_qk_bank", "copy_k_sink", "copy_qk_gain") if n in params)
+    lines = ["", f"cplm (PR #379): {shapes}: {static['values']:,} values, {static['parameters'] / 2**20:.2f} MiB, "
+                 f"their gradients {static['gradients'] / 2**20:.2f} MiB and Adam moments (2 × fp32) "
+                 f"{static['adam'] / 2**20:.2f} MiB, in the static rows above; saved for its backward, per geometry, "
+                 f"MiB (inside saved): the pointer kernels' (q, k bf16 [T, 128]; lse, p_copy, a_sink fp32 [T]; doc, "
+                 f"dstart, dend int32 [T]: 536 B per row), the whole head's (those, the projections' input h bf16 "
+                 f"[T, D], the QK norm's fp32 tensors and the sink score's fp32 q) and the mixture's ([T] rows)"]
+    for s in report.steps:
+        saved = {part: sum(i.bytes for i in infos) for part, infos in s.cplm_saved.items()}
+        lines.append(f"  step {s.settings.step:>5} T={s.tokens:,}: " + ", ".join(
+            f"{part} {b / 2**20:,.2f}" for part, b in saved.items())
+            + f" of {s.saved / 2**20:,.0f} saved")
+    return lines
 
 
 @dataclasses.dataclass
@@ -356,6 +433,7 @@ def format_memory(report: MemoryReport, top: int = 6, capture: str | None = None
               "memory alive at once (saved + temporaries; parameter gradients are in static); step: inputs + "
               "n-gram≤ + ahead + the larger peak. Saved storages are told apart by untyped_storage()._cdata (views "
               "count once)"]
+    lines += cplm_lines(report)
     w = report.worst
     lines += ["", f"largest tensors saved for the backward at step {w.settings.step} (the worst geometry), "
               f"{len(w.saved_tensors)} storages, {gib(w.saved)} GiB:"]

@@ -1,6 +1,7 @@
 """tools/cost.py: the FLOP counter against hand formulas, its bytes against a hand-counted graph, the
 attention's pairs against a brute-force mask, the optimizer's collectives against the banks' sizes, the
-smoke model's GEMMs against 6·N·T, the datasheet peaks, the roofline, tokens/s, MFU and the peak fraction."""
+smoke model's GEMMs against 6·N·T, the datasheet peaks, the roofline, tokens/s, MFU and the peak fraction,
+CPLM's pointer kernels against a brute-force loop over their tiles."""
 import pytest
 import torch
 
@@ -246,3 +247,124 @@ def test_the_doc_copy_matcher_is_priced_and_its_sort_moves_what_it_must(gpt2_bpe
     assert f"T={T:,}:" in text and "% of" in text
     plain = op_count.geometry_cost(build_rank_on_meta(RUN_PRESETS["smoke"], 2), settings, steps)
     assert plain.matcher is None
+
+
+# ----------------------------------------------------------------------------------------------------
+# features.cplm (PR #379): the pointer's Triton kernels priced by their tiles
+# ----------------------------------------------------------------------------------------------------
+
+def _bounds(segments, n):
+    """(dstart, dend) of every position, walking the segments (no searchsorted)."""
+    dstart, dend, pos = [0] * n, [n] * n, 0
+    for length in segments:
+        for i in range(pos, min(pos + length, n)):
+            dstart[i], dend[i] = pos, min(pos + length, n)
+        pos += length
+    return dstart, dend
+
+
+def _tiles_by_brute_force(segments, n, band, bm=64, bn=64):
+    """Every (query tile, key tile) pair, checked against the kernels' rule in the spec's words: query tile
+    m0 visits the key tiles from the one holding max(dstart(m0), ⌊m0/L⌋·L − L, 0) to its diagonal (a key
+    tile with a key before its last row); key tile n0 visits the query tiles from its own to the one
+    before min(dend(its last key), (⌊last key/L⌋ + 2)·L, n). Returns the visited sets."""
+    dstart, dend = _bounds(segments, n)
+    forward, dk = set(), set()
+    for m0 in range(0, n, bm):
+        lo = max(dstart[m0], (m0 // band) * band - band, 0)
+        for n0 in range(0, n, bn):
+            if n0 + bn > lo and n0 < min(m0 + bm, n) - 1:
+                forward.add((m0 // bm, n0 // bn))
+    for n0 in range(0, n, bn):
+        last = min(n0 + bn, n) - 1
+        end = min(dend[last], (last // band + 2) * band, n)
+        for m0 in range(0, n, bm):
+            if n0 <= m0 < end:
+                dk.add((m0 // bm, n0 // bn))
+    return forward, dk
+
+
+def _valid_pairs(segments, n, band):
+    """(i, j) where the pointer's query i sees source j (frontier_cplm.md §5), as an [n, n] mask."""
+    dstart = torch.tensor(_bounds(segments, n)[0])
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return (j < i) & (dstart[None, :] == dstart[:, None]) & (j >= (i // band) * band - band)
+
+
+@pytest.mark.parametrize("segments, band", [
+    ([300, 1000, 77, 900, 3], 512),  # segments across tiles and blocks, n not a multiple of 64
+    ([320, 64] * 4, 256),  # the record's stage-2 layout scaled down: 2,560 + 512 segments, L = 2,048
+    ([1536], 2048),  # one segment inside the first block (the smoke geometry's)
+    ([65, 1, 62, 700], 128),
+])
+def test_the_pointer_kernels_tiles_match_a_brute_force_loop_over_tiles(segments, band):
+    """`pointer_tiles` (the kernels' loop bounds) against every tile pair checked by hand, every valid pair
+    inside a visited tile of both sets (so the count never prices less than the pointer needs), and
+    `pointer_pairs` against the definition's mask."""
+    n = sum(segments)
+    cu = [0] + torch.tensor(segments).cumsum(0).tolist() + [n, n]  # trailing empty segments, as a batch pads
+    forward, dk = _tiles_by_brute_force(segments, n, band)
+    assert op_count.pointer_tiles(cu, n, band, 64, 64) == {"forward": len(forward), "dq": len(forward), "dk": len(dk)}
+    valid = _valid_pairs(segments, n, band)
+    i, j = valid.nonzero().unbind(1)
+    tiles = set(zip((i // 64).tolist(), (j // 64).tolist()))
+    assert tiles <= forward and tiles <= dk
+    assert cost.pointer_pairs(cu, n, band) == int(valid.sum())
+
+
+def test_the_cplm_step_prices_the_pointer_kernels_and_the_head(smoke_rank):
+    """Smoke with --proposal cplm at its first geometry (T = 512, one segment, L = 2,048): the pointer's
+    FLOPs are the brute-force tiles × 2·64·64·128 (forward 1 product, dq and dk 2 each, one of them
+    recomputed), exactly what the step's attention column and recomputation gained over the record's;
+    the q/k projections add 3 × 2·T·D·256 bf16 GEMM FLOPs and the dense definition is not run (no fp32
+    GEMM). The head counted alone has the same kernels; the tool prints its line."""
+    from config import PROPOSALS
+    from model.cplm import COPY_DIM
+    from runtime.meta_rank import build_rank_on_meta, geometries, meta_step
+
+    cfg = PROPOSALS["cplm"].apply(RUN_PRESETS["smoke"])
+    rank = build_rank_on_meta(cfg, 2)
+    settings, steps = geometries(rank.schedule)[0]
+    with cost.recorded_cplm_calls() as calls:
+        g = op_count.geometry_cost(rank, settings, steps)
+    plain = op_count.geometry_cost(smoke_rank, *geometries(smoke_rank.schedule)[0])
+    T, D = g.tokens, cfg.model.model_dim
+    cu = meta_step(rank, settings, steps).host_batch.cu_seqlens.tolist()
+    segments = [b - a for a, b in zip(cu, cu[1:]) if b > a]
+    forward, dk = _tiles_by_brute_force(segments, T, 2048)
+    assert (len(forward), len(dk)) == (8 * 9 // 2, 8 * 9 // 2)  # T = 512: 8 query tiles, a triangle
+    tile = 2 * 64 * 64 * COPY_DIM
+    assert g.pointer["tiles"] == {"forward": len(forward), "dq": len(forward), "dk": len(dk)}
+    assert g.pointer["flops"] == {"forward": tile * len(forward), "dq": 2 * tile * len(forward), "dk": 2 * tile * len(dk)}
+    assert g.flops["attention"] - plain.flops["attention"] == sum(g.pointer["flops"].values())
+    assert g.flops["attention recompute"] - plain.flops["attention recompute"] == tile * (len(forward) + len(dk))
+    assert g.flops["bf16 GEMM"] - plain.flops["bf16 GEMM"] == 3 * 2 * T * D * 2 * COPY_DIM
+    assert g.flops["fp32 GEMM"] == plain.flops["fp32 GEMM"] == 0
+    # q, k bf16 [T, 128] read by all three kernels, dq and dk written: at least 5 × 256 bytes per row
+    assert sum(g.pointer["bytes"].values()) >= 5 * T * COPY_DIM * 2
+    alone = cost.cplm_cost(rank, g, calls)
+    assert alone.pointer == g.pointer and alone.flops["bf16 GEMM"] == 3 * 2 * T * D * 2 * COPY_DIM
+    assert alone.band == 2048 and alone.pairs == T * (T - 1) // 2 and alone.segments == [T]
+    text = "\n".join(cost.cplm_lines(cost.ScheduleCost(cfg, 2, [g], [], [alone]), throughput.H100_SXM))
+    assert f"T={T:,} (1 × {T:,}): tiles 36 forward and dq, 36 dk" in text
+    assert f"GFLOP {tile * 36 / 1e9:,.2f} / {2 * tile * 36 / 1e9:,.2f} / {2 * tile * 36 / 1e9:,.2f}" in text
+    # the record's comparison: the proposal's floor against RECORD_FLOOR_SECONDS, on the record's preset only
+    record = PROPOSALS["cplm"].apply(RUN_PRESETS["record"])
+    lines = cost.cplm_schedule_lines(cost.ScheduleCost(record, 8, [g], [], [alone]), throughput.H100_SXM,
+                                     g.steps, 26.8)
+    assert lines[-1].endswith(f"the schedule's fused floor is 26.80 s over {len(g.steps)} steps, against the "
+                              f"record's 30.04 s over 1194 (RECORD_FLOOR_SECONDS): −3.24 s")
+    assert op_count.geometry_cost(smoke_rank, settings, steps).pointer is None  # none without the feature
+
+
+def test_the_cost_command_prints_the_cplm_lines(capsys, monkeypatch):
+    """`python -m tools.cost --config smoke --proposal cplm`, its first geometry only (the whole schedule
+    takes 15 s): the CPLM header, its geometry's line and the schedule's line."""
+    first = cost.geometries
+    monkeypatch.setattr(cost, "geometries", lambda schedule: first(schedule)[:1])
+    cost.main(["--config", "smoke", "--proposal", "cplm"])
+    out = capsys.readouterr().out
+    assert "past the record, on: cplm" in out
+    assert "cplm (PR #379), one rank's step: the pointer's 3 Triton kernels" in out
+    assert "0-16    T=512 (1 × 512): tiles 36 forward and dq, 36 dk" in out
+    assert "cplm over the 17 steps: pointer kernels" in out

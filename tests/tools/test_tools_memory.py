@@ -200,3 +200,45 @@ def test_the_doc_copy_proposal_adds_its_buffers_and_adam_state(gpt2_bpe):
     assert items["adam, replicated parameters"].bytes - plain["adam, replicated parameters"].bytes == 2 * added
     report = memory_report(cfg, 2)
     assert report.peak_bytes > memory_report(RUN_PRESETS["smoke"], 2).peak_bytes
+
+
+def test_the_cplm_proposal_adds_its_parameters_and_the_pointers_saved_tensors():
+    """Smoke on 2 ranks with --proposal cplm, counted by hand: the three parameters (copy_qk_bank bf16
+    [2, 128, 96], copy_k_sink fp32 [128], copy_qk_gain fp32 [1]) with their gradients and two fp32 Adam
+    moments each, the diagnostics buffer (6 fp32); at the first geometry (T = 512) the pointer kernels save
+    q, k bf16 [T, 128], lse, p_copy, a_sink fp32 [T] and doc, dstart, dend int32 [T] (536 B per row, the
+    step's inputs and targets not counted again), inside the head's and the step's saved total. The record's
+    three parameters are PR #379's 196,737 values."""
+    from config import PROPOSALS
+    from tools.memory import MemoryReport, cplm_static, format_memory
+
+    plain = {i.name: i for i in static_items(build_rank_on_meta(RUN_PRESETS["smoke"], 2))}
+    cfg = PROPOSALS["cplm"].apply(RUN_PRESETS["smoke"])
+    rank = build_rank_on_meta(cfg, 2)
+    items = {i.name: i for i in static_items(rank)}
+    values = 2 * 128 * 96 + 128 + 1
+    added = 2 * 128 * 96 * 2 + (128 + 1) * 4
+    assert items["parameters"].bytes - plain["parameters"].bytes == added
+    assert items["gradients (.grad)"].bytes - plain["gradients (.grad)"].bytes == added
+    assert items["adam, replicated parameters"].bytes - plain["adam, replicated parameters"].bytes == 2 * 4 * values
+    assert items["other buffers"].bytes - plain["other buffers"].bytes == 6 * 4
+    assert cplm_static(rank) == {"values": values, "parameters": added, "gradients": added, "adam": 2 * 4 * values}
+    record = cplm_static(build_rank_on_meta(PROPOSALS["cplm"].apply(RUN_PRESETS["record"]), 8))
+    assert record == {"values": 196_737, "parameters": 2 * 128 * 768 * 2 + 129 * 4,
+                      "gradients": 2 * 128 * 768 * 2 + 129 * 4, "adam": 8 * 196_737}
+    assert cplm_static(build_rank_on_meta(RUN_PRESETS["smoke"], 2)) is None
+
+    settings, steps = geometries(rank.schedule)[0]
+    m = step_memory(rank, settings, steps)
+    T = m.tokens
+    kernels = m.cplm_saved["pointer kernels"]
+    assert sorted((i.shape, str(i.dtype)) for i in kernels) == sorted(
+        [((T, 128), "torch.bfloat16")] * 2 + [((T,), "torch.float32")] * 3 + [((T,), "torch.int32")] * 3)
+    assert sum(i.bytes for i in kernels) == T * (2 * 128 * 2 + 3 * 4 + 3 * 4) == 536 * T
+    head = sum(i.bytes for i in m.cplm_saved["head"])
+    assert head >= 536 * T + T * 96 * 2  # and the projections' input h bf16 [T, D]
+    assert head + sum(i.bytes for i in m.cplm_saved["mixture"]) < m.saved
+    plain_step = step_memory(build_rank_on_meta(RUN_PRESETS["smoke"], 2), settings, steps)
+    assert m.saved - plain_step.saved >= head
+    text = format_memory(MemoryReport(rank, static_items(rank), [m]))
+    assert f"{values:,} values" in text and f"step     0 T={T:,}: pointer kernels {536 * T / 2**20:,.2f}, head" in text
