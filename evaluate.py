@@ -562,6 +562,9 @@ def evaluate(args: argparse.Namespace, cfg: RunConfig, step: int, manager) -> No
     run_id = args.checkpoint.resolve().parent.name
     say(f"checkpoint {args.checkpoint}: run {run_id}, step {step}, config {cfg.name}; {setup.world_size} process(es), "
         f"device {setup.device}; loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if cfg.features.cplm:  # PR #379: the trained distribution is a mixture this scorer does not form
+        say("features.cplm: scored and sampled by the LM softmax alone (the copy pointer's mixture is not applied; "
+            "the validation loss of train_gpt.py --eval-checkpoint is the mixture's)", file=sys.stderr)
     try:
         if args.task_names:
             t1 = time.perf_counter()

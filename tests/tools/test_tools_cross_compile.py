@@ -191,6 +191,18 @@ def test_the_doc_copy_matcher_compiles_for_sm90_with_its_sort_and_scatters():
 
 
 @pytest.mark.slow
+def test_cplm_compiles_for_sm90_with_its_pointer_kernels_and_the_gathering_ce():
+    """CPLM's head and mixture loss (model/cplm.py, model/loss.py) at a smoke batch, forward and backward,
+    cross-compiled for SM90: the pointer's three Triton kernels and the fp8 CE's two (the gathered z in
+    and out) inside one graph pair."""
+    code, out, err = _cross_compile("--function", f"{CASES}:cplm_head_and_mixture_loss")
+    assert code == 0, out[-3000:] + err[-3000:]
+    seconds, inductor, project, cubins, extern = _row(out, "function cplm_head_and_mixture_loss")
+    assert int(project) >= 5 and int(cubins) >= int(inductor) + int(project), out[-2000:]
+    for kernel in ("_copy_pointer_fwd_kernel", "_copy_pointer_dq_kernel", "_copy_pointer_dk_kernel"):
+        assert kernel in out, out[-2000:]
+
+@pytest.mark.slow
 def test_an_l40s_compiles_flex_attention_and_the_fp8_mlp_with_one_pipeline_stage():
     """What an L40S / RTX 4090 gets: flex attention (its FA3 fallback) forward and backward at the
     recipe's head widths, tiles chosen for SM89 within its 99 KiB of shared memory per block, and in
