@@ -1,0 +1,192 @@
+"""The restricted attention backward of upstream PR #371 part 2 (frontier_approx_backward.md §4.4), portable.
+
+The forward is the record's full-window attention, unchanged; the backward drops, per head, the
+(query i, key j) pairs that lie further apart than the head's window. Per segment and head h, with the
+forward's full-window log-sum-exp LSE_i and output O_i, scale s, the launch window W and the head's
+effective window w_h = W if code_h < 0 else min(code_h, W):
+
+    P_ij  = exp(s·q_i·k_j − LSE_i)  for 0 <= i − j <= w_h inside the segment, else 0
+    D_i   = Σ_d dO_id·O_id                        (the full-window output)
+    dV_j  = Σ_i P_ij·dO_i
+    dS_ij = P_ij·(dO_i·v_j − D_i)
+    dQ_i  = s·Σ_j dS_ij·k_j          dK_j = s·Σ_i dS_ij·q_i
+
+Nothing is renormalized: LSE and D stay the full-window forward's, so a shortened row's kept P_ij sum to
+less than 1. It is a biased approximation of the exact gradient, not the gradient of a shorter-window
+forward. Every code −1 ("full") makes it the exact attention gradient (w_h = W for every head).
+
+Layouts (FA3's, so the fast path hands its own tensors over unchanged):
+    q, k [n, H, d_qk], v, out, d_out [n, H, d_v] (d_qk may differ from d_v: 64/128 on the narrow layers)
+    lse  [H, n] fp32, natural log, the softmax scale inside (FA3 varlen's softmax_lse: [num_heads, total_q])
+    cu_seqlens int32 [R], trailing entries padded with n
+    head_windows int32 [H] on the device, −1 = full: read by device ops only (no host sync), because it is
+        a persistent table whose contents the calibration overwrites in place after the CUDA graphs that
+        read it were captured (PR #371: the tables hold −1 through warmup, the codes from step 593 on).
+These are *stream* positions and heads. On the paired layers (record #360 layers 0, 2, 5) the model's
+[T, 6, d] is FA3's [2T, 3, d] (`perf.attention_backends._stream_layout`, the SDPA and FA3 paths' helper):
+position 2t carries heads 0..2 of token t, 2t+1 heads 3..5, cu_seqlens double, and the window counts
+interleaved positions (w = 64 ≈ 32 tokens). The head table then has 3 entries, entry h' covering the
+model's heads h' and h' + 3. `windowed_backward_attention` takes the model's layout and a `paired` flag
+like `sdpa_varlen_attention` and maps it; the two functions below work on the stream layout.
+
+    out, lse = windowed_attention_forward(q, k, v, cu_seqlens, scale, window)       # [n, H, d_v], [H, n]
+    dq, dk, dv = windowed_attention_backward(q, k, v, out, lse, d_out, cu_seqlens, scale, window, head_windows)
+    y = windowed_backward_attention(q, k, v, cu_seqlens, window, scale, head_windows, paired)  # autograd
+
+Queries run in chunks against the keys the launch window reaches, as in `sdpa_varlen_attention`, so the
+score tiles are [H, chunk, chunk + W]; the math is fp32 (fp64 for fp64 inputs, for the tests), the
+gradients come back in the inputs' dtypes. This is the definition and the CPU path; the fast path (a
+per-head windowed backward on FA3's tiles) must match it.
+
+Run the tests: pytest tests/perf/test_perf_windowed_backward.py -q
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from perf.attention_backends import _check_segments, _stream_layout, sdpa_varlen_attention, segment_ids
+
+DEFAULT_CHUNK = 2048  # query positions per score tile: sdpa_varlen_attention's default, the same masks
+FULL_WINDOW_CODE = -1  # PR #371: a head-table entry below 0 means the launch window ("full")
+
+
+def effective_windows(head_windows: Tensor, window: int) -> Tensor:
+    """w_h per head, int64 on the table's device: `window` where the code is < 0, else min(code, window).
+
+    Device ops only: the table is read where it lives, so a captured graph sees the values of replay time.
+    """
+    codes = head_windows.to(torch.int64)
+    return torch.where(codes < 0, torch.full_like(codes, window), codes.clamp_max(window))
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32 for bf16/fp32, fp64 stays fp64 (the tests)
+
+
+def _query_chunks(n: int, chunk: int, window: int):
+    """(lo, hi, k_lo): queries [lo, hi) and the keys [k_lo, hi) their window can reach."""
+    for lo in range(0, n, chunk):
+        yield lo, min(n, lo + chunk), max(0, lo - window)
+
+
+def _chunk_mask(seg: Tensor, lo: int, hi: int, k_lo: int, windows) -> Tensor:
+    """True where query i in [lo, hi) keeps key j in [k_lo, hi): same segment and 0 <= i − j <= window.
+    windows: an int → [c, K]; an int64 [H, 1, 1] tensor (one window per head) → [H, c, K]."""
+    pos = torch.arange(k_lo, hi, device=seg.device)
+    dist = pos[lo - k_lo:, None] - pos[None, :]  # (c, K)
+    same = seg[lo:hi, None] == seg[None, k_lo:hi]
+    return same & (dist >= 0) & (dist <= windows)
+
+
+def _check_layout(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> None:
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"windowed attention: q, k [n, H, d_qk] and v [n, H, d_v], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    _check_segments(cu_seqlens, q.shape[0])
+
+
+def varlen_attention_lse(q: Tensor, k: Tensor, cu_seqlens: Tensor, scale: float, window: int,
+                         chunk: int = DEFAULT_CHUNK) -> Tensor:
+    """LSE_i = ln Σ_j exp(scale·q_i·k_j) over the keys query i sees (same segment, 0 <= i − j <= window):
+    [H, n] in fp32 (fp64 for fp64 inputs), FA3 varlen's softmax_lse layout. Stream layout."""
+    n, H, _ = q.shape
+    acc = _math_dtype(q.dtype)
+    seg = segment_ids(cu_seqlens, n)
+    qf, kf = (t.to(acc).transpose(0, 1) for t in (q, k))  # (H, n, d_qk)
+    lse = torch.empty(H, n, dtype=acc, device=q.device)
+    for lo, hi, k_lo in _query_chunks(n, chunk, window):
+        keep = _chunk_mask(seg, lo, hi, k_lo, window)  # (c, K)
+        s = scale * (qf[:, lo:hi] @ kf[:, k_lo:hi].transpose(1, 2))  # (H, c, K)
+        lse[:, lo:hi] = s.masked_fill(~keep, float("-inf")).logsumexp(-1)  # the diagonal is always kept
+    return lse
+
+
+def windowed_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float, window: int,
+                               chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
+    """The full-window forward with the LSE the restricted backward needs: (out [n, H, d_v], lse [H, n]).
+
+    out is `sdpa_varlen_attention`'s, bitwise (the same call on the same stream-layout tensors), so the
+    portable path's forward is unchanged when the restricted backward is on, as FA3's is on the fast path
+    (PR #371: output and LSE bit-equal to #360's). The LSE comes from a second, plain pass over the same
+    dense per-segment window (`varlen_attention_lse`); on the fast path it is FA3's own softmax_lse.
+    """
+    _check_layout(q, k, v, cu_seqlens)
+    out = sdpa_varlen_attention(q, k, v, cu_seqlens, window, scale, chunk=chunk)  # (n, H, d_v)
+    return out, varlen_attention_lse(q, k, cu_seqlens, scale, window, chunk)
+
+
+def windowed_attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
+                                cu_seqlens: Tensor, scale: float, window: int, head_windows: Tensor,
+                                chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the restricted backward (module docstring), stream layout, in q's, k's, v's dtypes.
+
+    window is the forward's (launch) window W; head_windows the int32 [H] code table (−1 = W). All
+    codes −1 give the exact attention gradient. lse must be the full-window forward's (never a shorter
+    window's): that is what "without renormalizing" means.
+    """
+    _check_layout(q, k, v, cu_seqlens)
+    n, H, _ = q.shape
+    if out.shape != v.shape or d_out.shape != v.shape or lse.shape != (H, n) or head_windows.shape != (H,):
+        raise ValueError(f"windowed_attention_backward: out, d_out {tuple(v.shape)}, lse {(H, n)} and "
+                         f"head_windows {(H,)} expected, got {tuple(out.shape)}, {tuple(d_out.shape)}, "
+                         f"{tuple(lse.shape)}, {tuple(head_windows.shape)}")
+    if head_windows.dtype != torch.int32:
+        raise TypeError(f"head_windows must be int32 (the persistent code table), got {head_windows.dtype}")
+    acc = _math_dtype(q.dtype)
+    seg = segment_ids(cu_seqlens, n)
+    windows = effective_windows(head_windows, window)[:, None, None]  # (H, 1, 1), on the device
+    qf, kf = (t.to(acc).transpose(0, 1) for t in (q, k))  # (H, n, d_qk)
+    vf, gf = (t.to(acc).transpose(0, 1) for t in (v, d_out))  # (H, n, d_v)
+    delta = (d_out.to(acc) * out.to(acc)).sum(-1).transpose(0, 1)  # (H, n): D_i of the full-window output
+    lse = lse.to(acc)
+    dq = torch.empty_like(qf)
+    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    for lo, hi, k_lo in _query_chunks(n, chunk, window):
+        keep = _chunk_mask(seg, lo, hi, k_lo, windows)  # (H, c, K): each head its own w_h
+        s = scale * (qf[:, lo:hi] @ kf[:, k_lo:hi].transpose(1, 2))  # (H, c, K)
+        # masked to −inf before exp: a dropped pair may score far above LSE_i (beyond W, another segment)
+        p = (s.masked_fill(~keep, float("-inf")) - lse[:, lo:hi, None]).exp()  # (H, c, K)
+        dv[:, k_lo:hi] += p.transpose(1, 2) @ gf[:, lo:hi]
+        ds = p * (gf[:, lo:hi] @ vf[:, k_lo:hi].transpose(1, 2) - delta[:, lo:hi, None])  # (H, c, K)
+        dq[:, lo:hi] = ds @ kf[:, k_lo:hi]
+        dk[:, k_lo:hi] += ds.transpose(1, 2) @ qf[:, lo:hi]
+    dq.mul_(scale)
+    dk.mul_(scale)
+    return tuple(g.transpose(0, 1).contiguous().to(t.dtype) for g, t in ((dq, q), (dk, k), (dv, v)))
+
+
+class WindowedBackwardAttention(torch.autograd.Function):
+    """Stream layout: forward = `windowed_attention_forward`'s output (bitwise `sdpa_varlen_attention`'s),
+    backward = `windowed_attention_backward` with the head table as it holds at backward time.
+
+    The fast path keeps this contract with FA3's forward (output and LSE bit-equal to the record's) and
+    a per-head windowed backward on FA3's tiles."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, head_windows, window: int, scale: float, chunk: int = DEFAULT_CHUNK):
+        out, lse = windowed_attention_forward(q, k, v, cu_seqlens, scale, window, chunk)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, head_windows)
+        ctx.window, ctx.scale, ctx.chunk = window, scale, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse, cu_seqlens, head_windows = ctx.saved_tensors
+        dq, dk, dv = windowed_attention_backward(q, k, v, out, lse, d_out, cu_seqlens, ctx.scale, ctx.window,
+                                                 head_windows, ctx.chunk)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def windowed_backward_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
+                                softmax_scale: float, head_windows: Tensor, paired: bool = False,
+                                chunk: int = DEFAULT_CHUNK) -> Tensor:
+    """`sdpa_varlen_attention` (same arguments, same output bitwise) whose backward is the restricted one.
+
+    q, k [T, H, d_qk], v [T, H, d_v] in the model's layout → [T, H, d_v]. head_windows int32 [H], or [H/2]
+    with paired=True: one code per FA3 (stream) head, entry h' for the model's heads h' and h' + H/2.
+    """
+    T, H, _ = q.shape
+    q, k, v, cu_seqlens = _stream_layout(q, k, v, cu_seqlens, paired)  # paired: (2T, H/2, d)
+    y = WindowedBackwardAttention.apply(q, k, v, cu_seqlens, head_windows, window, softmax_scale, chunk)
+    return y.reshape(T, H, v.shape[-1])

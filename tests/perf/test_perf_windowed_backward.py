@@ -1,0 +1,206 @@
+"""perf/windowed_backward.py: the restricted backward of PR #371 against a brute-force loop of its formula,
+the exact gradient (autograd of sdpa_varlen_attention) when every head is full, and the edge windows."""
+import math
+
+import pytest
+import torch
+
+from perf.attention_backends import sdpa_varlen_attention
+from perf.backend import use_backend
+from perf.windowed_backward import (effective_windows, windowed_attention_backward, windowed_attention_forward,
+                                    windowed_backward_attention)
+from runtime.sync_check import sync_check
+
+
+def _segment_of(cu: list[int]):
+    return lambda t: max(d for d in range(len(cu) - 1) if cu[d] <= t)
+
+
+def _brute_force(q, k, v, d_out, cu, scale, window, codes):
+    """Loops over (head, query, key) of the formula, float64: the forward (full window W) gives O and LSE;
+    the backward keeps 0 <= i − j <= w_h, w_h = W for a code < 0, else min(code, W)."""
+    q, k, v, d_out = (t.double() for t in (q, k, v, d_out))
+    n, H, _ = q.shape
+    seg = _segment_of(cu)
+    out, lse = torch.zeros(n, H, v.shape[-1], dtype=torch.float64), torch.zeros(H, n, dtype=torch.float64)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for h in range(H):
+        w_h = window if codes[h] < 0 else min(codes[h], window)
+        for i in range(n):
+            keys = [j for j in range(n) if seg(j) == seg(i) and 0 <= i - j <= window]
+            logits = {j: scale * float(q[i, h] @ k[j, h]) for j in keys}
+            lse[h, i] = math.log(sum(math.exp(s) for s in logits.values()))
+            for j in keys:
+                out[i, h] += math.exp(logits[j] - lse[h, i]) * v[j, h]
+        for i in range(n):
+            D = float(d_out[i, h] @ out[i, h])
+            for j in range(n):
+                if seg(j) != seg(i) or not 0 <= i - j <= w_h:
+                    continue
+                p = math.exp(scale * float(q[i, h] @ k[j, h]) - lse[h, i])
+                dv[j, h] += p * d_out[i, h]
+                ds = p * (float(d_out[i, h] @ v[j, h]) - D)
+                dq[i, h] += scale * ds * k[j, h]
+                dk[j, h] += scale * ds * q[i, h]
+    return out, lse, (dq, dk, dv)
+
+
+def _inputs(n, H, dqk, dv, seed, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, H, d, generator=gen).to(dtype) for d in (dqk, dqk, dv, dv)]  # q, k, v, d_out
+
+
+CU = [0, 9, 16, 16]  # two documents of 9 and 7 positions, one padding entry
+SCALE = 0.4
+
+
+@pytest.mark.parametrize("chunk", [2048, 4])  # one tile, and tiles that cut documents and windows
+@pytest.mark.parametrize("codes", [[2, -1, 0], [5, 3, 1000]])  # mixed windows, one full; 0; a code > W
+def test_restricted_backward_matches_the_loop(chunk, codes):
+    window = 5
+    q, k, v, d_out = _inputs(16, 3, 4, 6, seed=len(codes) + codes[0])  # d_qk != d_v, as on layers 0, 2, 5
+    cu = torch.tensor(CU, dtype=torch.int32)
+    want_out, want_lse, want = _brute_force(q, k, v, d_out, CU, SCALE, window, codes)
+    out, lse = windowed_attention_forward(q, k, v, cu, SCALE, window, chunk=chunk)
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+    table = torch.tensor(codes, dtype=torch.int32)
+    got = windowed_attention_backward(q, k, v, out, lse, d_out, cu, SCALE, window, table, chunk=chunk)
+    for name, g, w in zip("qkv", got, want):
+        assert g.dtype == torch.float64 and g.shape == w.shape and g.is_contiguous(), name
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=f"d{name}")
+
+
+def test_effective_windows():
+    codes = torch.tensor([-1, 0, 64, 128, 384, 1000], dtype=torch.int32)
+    assert effective_windows(codes, 384).tolist() == [384, 0, 64, 128, 384, 384]
+
+
+@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("chunk", [2048, 7])
+def test_all_full_is_the_exact_gradient_of_sdpa(paired, chunk):
+    """Every head −1: the forward is sdpa_varlen_attention's bitwise and the backward its autograd's."""
+    T, H, window = 40, 6, 9
+    q, k, v, g = _inputs(T, H, 8, 16, seed=3, dtype=torch.float32)
+    cu = torch.tensor([0, 11, 12, 30, 40, 40], dtype=torch.int32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_y = sdpa_varlen_attention(*leaves, cu, window, SCALE, paired=paired)
+    want = torch.autograd.grad(want_y, leaves, g)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    table = torch.full((H // 2 if paired else H,), -1, dtype=torch.int32)
+    y = windowed_backward_attention(*leaves, cu, window, SCALE, table, paired=paired, chunk=chunk)
+    assert torch.equal(y, sdpa_varlen_attention(q, k, v, cu, window, SCALE, paired=paired, chunk=chunk))
+    got = torch.autograd.grad(y, leaves, g)
+    for name, a, b in zip("qkv", got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"d{name}")
+
+
+def test_paired_layout_maps_heads_to_stream_heads():
+    """Paired: FA3's [2T, 3, d] view; the table's entry h' shortens the model's heads h' and h' + 3 (one
+    attention stream), in interleaved positions. The autograd wrapper equals the stream-layout call."""
+    T, H, window = 12, 6, 6
+    q, k, v, g = _inputs(T, H, 4, 8, seed=8)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    codes = [1, -1, 3]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = windowed_backward_attention(*leaves, cu, window, SCALE, torch.tensor(codes, dtype=torch.int32), paired=True)
+    got = torch.autograd.grad(y, leaves, g)
+    stream = [t.reshape(2 * T, H // 2, t.shape[-1]) for t in (q, k, v, g)]  # position 2t + h // 3, head h % 3
+    _, _, want = _brute_force(*stream, [2 * c for c in cu.tolist()], SCALE, window, codes)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b.reshape(a.shape), rtol=1e-10, atol=1e-10, msg=f"d{name}")
+    # the model's head 4 is stream head 1 (full): its gradient is the exact one
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    exact = torch.autograd.grad(sdpa_varlen_attention(*leaves, cu, window, SCALE, paired=True), leaves, g)
+    for a, b in zip(got, exact):
+        torch.testing.assert_close(a[:, [1, 4]], b[:, [1, 4]], rtol=1e-10, atol=1e-10)
+        assert not torch.allclose(a[:, [0, 3]], b[:, [0, 3]])  # stream head 0 is shortened to 1
+
+
+def test_window_zero_keeps_only_the_diagonal():
+    """w = 0: P_ii only, so dV_i = P_ii·dO_i, dQ_i = s·P_ii·(dO_i·v_i − D_i)·k_i, dK_i = s·(same)·q_i."""
+    q, k, v, d_out = _inputs(16, 2, 4, 6, seed=4)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    out, lse = windowed_attention_forward(q, k, v, cu, SCALE, 5)
+    dq, dk, dv = windowed_attention_backward(q, k, v, out, lse, d_out, cu, SCALE, 5, torch.zeros(2, dtype=torch.int32))
+    p = torch.exp(SCALE * (q * k).sum(-1) - lse.T)[..., None]  # (n, H, 1)
+    ds = p * ((d_out * v).sum(-1) - (d_out * out).sum(-1))[..., None]
+    torch.testing.assert_close(dv, p * d_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dq, SCALE * ds * k, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dk, SCALE * ds * q, rtol=1e-12, atol=1e-12)
+
+
+def test_a_window_at_least_the_segment_length_is_full():
+    """Codes >= the longest document's largest distance (9 positions: 8) under a launch window beyond it
+    keep the same pairs as full: bitwise the same gradients."""
+    q, k, v, d_out = _inputs(16, 3, 4, 6, seed=5, dtype=torch.float32)
+    cu, window = torch.tensor(CU, dtype=torch.int32), 20
+    out, lse = windowed_attention_forward(q, k, v, cu, SCALE, window)
+    run = lambda codes: windowed_attention_backward(q, k, v, out, lse, d_out, cu, SCALE, window,  # noqa: E731
+                                                    torch.tensor(codes, dtype=torch.int32))
+    for a, b in zip(run([8, 9, 12]), run([-1, -1, -1])):
+        assert torch.equal(a, b)
+    shorter = run([7, -1, -1])  # the pair (8, 0) of the 9-long document dropped: head 0 changes, no other
+    for a, b in zip(shorter, run([-1, -1, -1])):
+        assert not torch.equal(a[:, 0], b[:, 0]) and torch.equal(a[:, 1:], b[:, 1:])
+
+
+def test_bf16_inputs_give_bf16_gradients_near_fp32():
+    q, k, v, d_out = _inputs(40, 3, 8, 16, seed=6, dtype=torch.float32)
+    cu, table = torch.tensor([0, 25, 40], dtype=torch.int32), torch.tensor([3, -1, 7], dtype=torch.int32)
+    out, lse = windowed_attention_forward(q, k, v, cu, SCALE, 12)
+    want = windowed_attention_backward(q, k, v, out, lse, d_out, cu, SCALE, 12, table)
+    bf = [t.bfloat16() for t in (q, k, v, out)]
+    got = windowed_attention_backward(*bf, lse, d_out.bfloat16(), cu, SCALE, 12, table)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b, rtol=0.05, atol=0.05)
+
+
+def test_no_host_sync_reads_the_head_table():
+    """The table is read by device ops only: forward and backward pass the CPU sync check."""
+    q, k, v, g = _inputs(24, 6, 4, 8, seed=7, dtype=torch.float32)
+    cu, table = torch.tensor([0, 10, 24, 24], dtype=torch.int32), torch.tensor([2, -1, 5], dtype=torch.int32)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    with use_backend(host_checks=False), sync_check("cpu"):
+        y = windowed_backward_attention(*leaves, cu, 8, SCALE, table, paired=True)
+        torch.autograd.grad(y, leaves, g)
+
+
+def test_bad_shapes_are_refused():
+    q, k, v, d_out = _inputs(16, 3, 4, 6, seed=0, dtype=torch.float32)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    out, lse = windowed_attention_forward(q, k, v, cu, SCALE, 5)
+    with pytest.raises(ValueError, match="head_windows"):
+        windowed_attention_backward(q, k, v, out, lse, d_out, cu, SCALE, 5, torch.full((6,), -1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="lse"):
+        windowed_attention_backward(q, k, v, out, lse.T, d_out, cu, SCALE, 5, torch.full((3,), -1, dtype=torch.int32))
+    with pytest.raises(TypeError, match="int32"):
+        windowed_attention_backward(q, k, v, out, lse, d_out, cu, SCALE, 5, torch.full((3,), -1))
+
+
+def test_compiled_fullgraph_reads_the_table_at_run_time():
+    """torch.compile (aot_eager: the graphs a GPU run traces) takes the op whole, forward and backward, and
+    the table stays an input: refilled in place after compiling (as finish() does at step 593), the same
+    compiled graph runs the new windows."""
+    q, k, v, g = _inputs(24, 6, 4, 8, seed=9, dtype=torch.float32)
+    cu, table = torch.tensor([0, 10, 24, 24], dtype=torch.int32), torch.full((3,), -1, dtype=torch.int32)
+
+    def eager(codes):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        y = windowed_backward_attention(*leaves, cu, 8, SCALE, torch.tensor(codes, dtype=torch.int32), paired=True)
+        return torch.autograd.grad(y, leaves, g)
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, k, v: windowed_backward_attention(q, k, v, cu, 8, SCALE, table, paired=True),
+                             backend=counter, fullgraph=True, dynamic=False)
+    for codes in ([-1, -1, -1], [2, -1, 0]):
+        table.copy_(torch.tensor(codes, dtype=torch.int32))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        got = torch.autograd.grad(compiled(*leaves), leaves, g)
+        for a, b in zip(got, eager(codes)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert counter.frame_count == 1  # one graph: the new codes did not recompile it
