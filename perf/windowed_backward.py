@@ -32,6 +32,8 @@ like `sdpa_varlen_attention` and maps it; the two functions below work on the st
     out, lse = windowed_attention_forward(q, k, v, cu_seqlens, scale, window)       # [n, H, d_v], [H, n]
     dq, dk, dv = windowed_attention_backward(q, k, v, out, lse, d_out, cu_seqlens, scale, window, head_windows)
     y = windowed_backward_attention(q, k, v, cu_seqlens, window, scale, head_windows, paired)  # autograd
+    dq, dk, dv = windowed_attention_backward_fast(...)  # the same arguments: the Triton kernels when
+                                                        # perf.backend.current().triton, else the definition
 
 Queries run in chunks against the keys the launch window reaches, as in `sdpa_varlen_attention`, so the
 score tiles are [H, chunk, chunk + W]; the math is fp32 (fp64 for fp64 inputs, for the tests), the
@@ -46,6 +48,8 @@ import torch
 from torch import Tensor
 
 from perf.attention_backends import _check_segments, _stream_layout, sdpa_varlen_attention, segment_ids
+from perf.backend import current
+from perf.kernels.windowed_backward import windowed_attention_backward_triton
 
 DEFAULT_CHUNK = 2048  # query positions per score tile: sdpa_varlen_attention's default, the same masks
 FULL_WINDOW_CODE = -1  # PR #371: a head-table entry below 0 means the launch window ("full")
@@ -190,3 +194,16 @@ def windowed_backward_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Ten
     q, k, v, cu_seqlens = _stream_layout(q, k, v, cu_seqlens, paired)  # paired: (2T, H/2, d)
     y = WindowedBackwardAttention.apply(q, k, v, cu_seqlens, head_windows, window, softmax_scale, chunk)
     return y.reshape(T, H, v.shape[-1])
+
+
+def windowed_attention_backward_fast(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
+                                     cu_seqlens: Tensor, scale: float, window: int, head_windows: Tensor,
+                                     chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor, Tensor]:
+    """`windowed_attention_backward` (same arguments, same contract) on the path the backend picks: the
+    Triton kernels (perf/kernels/windowed_backward.py: one launch per tile kind, the head table read on
+    the device, so one captured graph serves every table) when `perf.backend.current().triton`, else the
+    definition itself. Stream layout, as both callees."""
+    if current().triton:
+        return windowed_attention_backward_triton(q, k, v, out, lse, d_out, cu_seqlens, scale, window,
+                                                  head_windows, chunk)
+    return windowed_attention_backward(q, k, v, out, lse, d_out, cu_seqlens, scale, window, head_windows, chunk)

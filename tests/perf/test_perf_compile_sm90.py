@@ -27,7 +27,8 @@ except ImportError as exc:
     print(f"SKIP: no Triton NVIDIA backend: {exc}")
     sys.exit(0)
 import triton.language as tl
-from perf.kernels import copy_pointer, cross_entropy, mlp, ngram_embed, qkv_rope, symmetric_matmul, transpose, value_embed
+from perf.kernels import (copy_pointer, cross_entropy, mlp, ngram_embed, qkv_rope, symmetric_matmul, transpose,
+                          value_embed, windowed_backward)
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 H100_SHARED_MEMORY = 232448  # bytes per block (227 KiB)
@@ -139,6 +140,21 @@ for tiles in gpu_configs(copy_pointer.TILES):
                      pointer, tiles, ())
         compile_sm90(copy_pointer._copy_pointer_dk_kernel, dict(pointer_ints, q_ptr=qk, k_ptr=qk, dk_ptr=qk),
                      pointer, tiles, ())
+# PR #371's restricted attention backward (perf/kernels/windowed_backward.py) at both record head shapes, each at
+# its tiles (d_qk/d_v 64/128 on the paired layers: query tile 64; 64/64 on layers 1 and 8: 128), specialized as
+# a record launch is (aligned pointers, n, window and strides multiples of 16), bf16 on the tensor cores (the
+# record; fp32, the GPU tests' other dtype, took at most 198,144 bytes at these tiles with Triton 3.8)
+window_ints = dict(lse_ptr="*fp32", delta_ptr="*fp32", seg_ptr="*i32", seg_start_ptr="*i32", seg_end_ptr="*i32",
+                   head_windows_ptr="*i32")
+for tiles_name, qk_dim, v_dim in (("cuda_dv128", 64, 128), ("cuda", 64, 64)):
+    tiles = windowed_backward.TILES[tiles_name]
+    heads = dict(SCALE=qk_dim ** -0.5, DQK=qk_dim, BLOCK_DQK=qk_dim, DV=v_dim, BLOCK_DV=v_dim, UPCAST=False)
+    tensors = dict(window_ints, **{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "d_out_ptr", "out_ptr",
+                                                             "dq_ptr", "dk_ptr", "dv_ptr")})
+    compile_sm90(windowed_backward._delta_kernel, tensors, dict(DV=v_dim, BLOCK_DV=v_dim),  # no loop to pipeline
+                 {k: v for k, v in tiles.items() if k != "BLOCK_N"})
+    compile_sm90(windowed_backward._dkdv_kernel, tensors, heads, tiles, ())
+    compile_sm90(windowed_backward._dq_kernel, tensors, heads, tiles, ())
 print("ALL COMPILED")
 '''
 
