@@ -375,6 +375,22 @@ FEATURES: tuple[Feature, ...] = (
                 ("copy_k_sink", ParamRule("adam", "replicated", "adam", (0.9, 0.99), wd_mul=0.0)),
                 ("copy_qk_gain", ParamRule("adam", "replicated", "adam", (0.9, 0.99), wd_mul=0.0))),
         default=False),
+    # PR #371 part 1 (frontier_approx_backward.md §3): on the sampled-softmax steps of at least 32,768 rows per
+    # rank (the record's stage-1 batch: steps 320-1106) the lm_head's weight gradient keeps one row of four,
+    # by a counter-keyed hash, for its positive part (times 4) and adds the negative part exactly at the
+    # target columns (perf/sampled_head_grad.py); dX and the forward are the record's
+    Feature(
+        "approx_lm_head_grad",
+        removes="a sampled lm_head weight gradient (1 row in 4) on the large sampled-softmax steps",
+        removes_in_full="on the sampled-softmax steps whose batch is at least the stage-1 batch (record: 32,768 rows "
+                        "per rank, steps 320-1106), the lm_head's dW over the candidates as one fp8 GEMM over a quarter "
+                        "of the rows (one of every four consecutive rows, chosen by a counter-keyed hash, scaled by 4) "
+                        "for the gradient's positive part, plus its negative part exact in fp32 at each row's target, "
+                        "prefix and gathered columns; a device counter per rank advanced by the world size per call",
+        introduced_by="PR #371 (open; part 1 of 2)",
+        gain="−0.759 s claimed for both parts together (39.583 ± 0.266 vs 40.342 ± 0.184 s, 12 + 6 runs), same "
+             "1194 steps; no per-part ablation published",
+        default=False, requires=("fp8", "sampled_softmax")),
 )
 
 

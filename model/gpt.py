@@ -126,6 +126,7 @@ class StepArgs:
     canonical_mask: Tensor | None = None  # validation: record #92's packed (prev, cur) mask, or None
     logits: bool = False  # validation only: return the softcapped logits fp32, not the mean loss (evaluate.py)
     logits_from: int = 0  # with logits: rows logits_from.. only, [T − logits_from, V] (the rows the caller reads)
+    head_sample: object | None = None  # PR #371: the sampled lm_head dW's counter (perf/sampled_head_grad.py HeadSample)
 
     @property
     def prefix_on(self) -> bool:
@@ -490,4 +491,4 @@ class GPT(nn.Module):
             return validation_loss(x, self.lm_head.weight, targets, inputs, step.canonical_mask, copy, self.cplm_diag)
         prefix = self.prefix_table[targets] if step.prefix_on else None
         return training_loss(x, self.lm_head.weight, targets, step.mtp_weights, prefix, step.prefix_weight,
-                             step.candidates, fp8=use_fp8, copy=copy)
+                             step.candidates, fp8=use_fp8, copy=copy, head_sample=step.head_sample)

@@ -103,7 +103,7 @@ def softcapped_ce(logits: Tensor, targets: Tensor, mtp_weights, prefix_targets: 
 
 def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
                   prefix_weight, candidates: Tensor | None = None, fp8: bool = True,
-                  copy: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                  copy: tuple[Tensor, Tensor] | None = None, head_sample=None) -> Tensor:
     """Summed training loss of the final normed rows x [T, D] (fp8 lm_head unless fp8=False).
 
     mtp_weights: the MTP weights (fp32 [K] tensor, or floats); prefix_weight a 0-D tensor or float,
@@ -118,6 +118,9 @@ def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, pr
     (its position in C under the sampled softmax); the MTP and prefix terms keep their form, their lse over
     every column `<copy>` included. The CE runs with w_0 = 0 and hands back lse and the two gathered z,
     differentiable, so the mixture is these lines and its gradient rides the CE's one backward pass.
+
+    head_sample: PR #371's counter (perf/sampled_head_grad.py HeadSample), or None: the fp8 lm_head's weight
+    gradient over the candidates keeps one row in four for its positive part (an unbiased estimate; dX exact).
     """
     if candidates is not None:
         targets, prefix_targets = candidate_positions(candidates, lm_head_w.shape[1], targets, prefix_targets)
@@ -128,8 +131,11 @@ def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, pr
     if copy is not None:  # CPLM: the CE without its next-token term, plus z at (y_t, <copy>) per row
         gather = {"gather_cols": torch.stack([targets, copy_column_index(candidates, targets)], dim=1)}  # (T, 2)
         ce_weights = (0.0, *list(mtp_weights)[1:])
+    if head_sample is not None and not fp8:
+        raise ValueError("training_loss: head_sample samples the fp8 lm_head's weight gradient (PR #371); fp8 is off")
     if fp8:  # e4m3 logits straight into the CE, one autograd node (perf/fp8.py)
-        out = fp8_lm_head_loss(x, lm_head_w, targets, ce_weights, prefix_targets, prefix_weight, candidates, **gather)
+        out = fp8_lm_head_loss(x, lm_head_w, targets, ce_weights, prefix_targets, prefix_weight, candidates,
+                               head_sample=head_sample, **gather)
     else:
         w = lm_head_w if candidates is None else lm_head_w[:, candidates]
         # the logits in the GEMM's dtype (bf16 in training), as the fp8 path keeps its e4m3 ones: the

@@ -43,6 +43,7 @@ class Lanes:
         self.count, self._tensors = count, tensors
         self.live: list[Tensor] = []
         self.copies: list[list[Tensor]] = []   # copies[i][a]: lane a's copy of live[i]
+        self.seeds: dict[int, list[Tensor]] = {}  # live index → each lane's own start value (`seed`)
 
     def _index(self, t: Tensor) -> int | None:
         return next((i for i, u in enumerate(self.live) if u is t), None)
@@ -52,6 +53,17 @@ class Lanes:
             if self._index(t) is None:
                 self.live.append(t)
                 self.copies.append([fresh(t) for _ in range(self.count)])
+
+    @torch.no_grad()
+    def seed(self, t: Tensor, values: list[Tensor]) -> None:
+        """Keep live tensor t per lane, lane a starting (and restarting at `reset`) from values[a], not from
+        t: state whose ranks start apart, such as the sampled lm_head gradient's counter (PR #371: rank r
+        starts at r)."""
+        if len(values) != self.count or self._index(t) is not None:
+            raise ValueError(f"Lanes.seed: one start value per lane ({self.count}), for a tensor not yet kept")
+        self.live.append(t)
+        self.copies.append([v.detach().clone() for v in values])
+        self.seeds[len(self.live) - 1] = [v.detach().clone() for v in values]
 
     @torch.no_grad()
     def load(self, lane: int) -> None:
@@ -99,7 +111,8 @@ class Lanes:
 
     @torch.no_grad()
     def reset(self) -> None:
-        """Every lane ← the live tensors' current values (after the post-warmup reset restored them)."""
-        for t, copies in zip(self.live, self.copies):
-            for copy in copies:
-                copy.copy_(t)
+        """Every lane ← the live tensors' current values (after the post-warmup reset restored them); a
+        seeded tensor's lanes ← their own start values."""
+        for i, (t, copies) in enumerate(zip(self.live, self.copies)):
+            for a, copy in enumerate(copies):
+                copy.copy_(self.seeds[i][a] if i in self.seeds else t)

@@ -55,14 +55,16 @@ class StepSettings:
     adam_step: bool        # the Adam parameters update (odd steps)
     table_event: bool      # the n-gram table and value embeddings update
     table_period4: bool    # their events every 4th step (squared betas, doubled decay)
+    head_sample: bool = False  # PR #371: the lm_head's dW sampled (features.approx_lm_head_grad)
 
     @property
     def geometry(self) -> tuple:
         """What the compiled forward specializes on: tokens, doc cap (max segment), sampled-softmax
-        width, MTP count, whether the prefix term exists, and the windows (YaRN tables and scales
-        change with them). Steps with equal geometry share one compiled graph."""
+        width, MTP count, whether the prefix term exists, the windows (YaRN tables and scales
+        change with them) and whether the lm_head's dW is sampled (PR #371; it switches with a stage). Steps
+        with equal geometry share one compiled graph."""
         return (self.batch_tokens, self.doc_cap, self.softmax_p, len(self.mtp_weights), self.prefix_weight != 0,
-                self.ws_short, self.ws_long)
+                self.ws_short, self.ws_long, self.head_sample)
 
 
 class TrainingSchedule:
@@ -193,6 +195,13 @@ class TrainingSchedule:
         """Final validation: the last stage's short window and the extended long window (no YaRN)."""
         return self.cfg.stages[-1].ws_short, self.cfg.ws_post_yarn_ext
 
+    def head_sample(self, step: int) -> bool:
+        """Whether the lm_head's weight gradient is sampled (features.approx_lm_head_grad, PR #371): on the
+        sampled-softmax steps whose batch is at least stage 1's, PR #371's HEAD_SAMPLE_MIN_ROWS = 32,768 rows
+        per rank on the record (steps 320-1106), derived from the stage table so the smoke preset scales it."""
+        return (self.features.approx_lm_head_grad and self.softmax_p(step) > 0 and len(self.cfg.stages) > 1
+                and self.batch_tokens(step) >= self.cfg.stages[1].batch_tokens)
+
     def batch_tokens(self, step: int) -> int:
         """Global tokens per step (all ranks together)."""
         return self.span(step).stage.batch_tokens
@@ -228,7 +237,7 @@ class TrainingSchedule:
                             ws_short=ws_short, ws_long=ws_long, mtp_weights=self.mtp_weights(step),
                             prefix_weight=self.prefix_weight(step), softmax_p=self.softmax_p(step),
                             adam_step=self.is_adam_step(step), table_event=self.is_table_event(step),
-                            table_period4=self.table_period4(step))
+                            table_period4=self.table_period4(step), head_sample=self.head_sample(step))
 
 
 class StepWeights:

@@ -140,11 +140,18 @@ class Fp8LMHeadLossFunction(torch.autograd.Function):
     with grad_s (grad_lse, grad_zg None when nothing used lse, zg: the lse-free, gather-free launch;
     torch.compile passes zeros instead, which give the same numbers); dx and dW without fast
     accumulation; dW is dense [D, V] with zeros outside `cols`.
+
+    head_sample (a perf/sampled_head_grad.py `HeadSample`, sampled softmax only): dW over the
+    candidate columns is PR #371's estimate instead (one row of every group, negatives exact;
+    `sampled_lm_head_weight_grad`), and the sampler's device counter advances; dx is unchanged.
+    The type is named, not imported: that module imports this one (`scaled_mm`), and a circle is
+    refused (tests/test_imports.py); the backward calls only its `weight_grad`.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, cols: Tensor | None, targets: Tensor, prefix_targets: Tensor | None,
-                weights: Tensor, num_mtp: int, gather_cols: Tensor | None) -> tuple[Tensor, ...]:
+                weights: Tensor, num_mtp: int, gather_cols: Tensor | None,
+                head_sample: "HeadSample | None" = None) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)  # an unused lse (zg) arrives as None
         x_s = _scale(LM_HEAD_X_SCALE, x.device)
         w_s = _scale(LM_HEAD_W_SCALE, x.device)
@@ -156,6 +163,7 @@ class Fp8LMHeadLossFunction(torch.autograd.Function):
         out = softcapped_ce_e4m3(logits8, targets, prefix_targets, weights, num_mtp, gather_cols)  # total, lse[, zg]
         ctx.save_for_backward(x8, w8, cols, logits8, out[1], targets, prefix_targets, weights, gather_cols)
         ctx.num_mtp, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = num_mtp, x.dtype, w.dtype, w.shape
+        ctx.head_sample = head_sample  # its counter is persistent: not saved (no version check on it)
         return out
 
     @staticmethod
@@ -171,29 +179,45 @@ class Fp8LMHeadLossFunction(torch.autograd.Function):
         dx = scaled_mm(g8, w8.t(), g_s, w_s, ctx.x_dtype, False) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            dw_cols = scaled_mm(x8.t(), g8, x_s, g_s, ctx.w_dtype, False)  # (D, N)
+            if ctx.head_sample is None:
+                dw_cols = scaled_mm(x8.t(), g8, x_s, g_s, ctx.w_dtype, False)  # (D, N)
+            else:  # PR #371: sampled rows for max(G, 0), exact negatives; advances the counter
+                dw_cols = ctx.head_sample.weight_grad(g8, x8, g_s, x_s, targets, ctx.num_mtp, prefix_targets,
+                                                      gather_cols, ctx.w_dtype)  # (D, N)
             if cols is None:
                 dw = dw_cols
             else:  # densify: exact zeros outside the candidate columns
                 dw = torch.zeros(ctx.w_shape, dtype=ctx.w_dtype, device=lse.device)
                 dw[:, cols] = dw_cols
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def fp8_lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, mtp_weights, prefix_targets: Tensor | None,
-                     prefix_weight, cols: Tensor | None = None,
-                     gather_cols: Tensor | None = None) -> tuple[Tensor, ...]:
+                     prefix_weight, cols: Tensor | None = None, gather_cols: Tensor | None = None,
+                     head_sample: "HeadSample | None" = None) -> tuple[Tensor, ...]:
     """(Σ_t L_t 0-D fp32, lse fp32 [T]), model/loss.py `softcapped_ce` of the final normed rows x [T, D]
     through the fp8 lm_head w [D, V], over the columns `cols` only if given (then targets and
     prefix_targets are positions in cols, and lse is over those columns). Both are differentiable.
 
     gather_cols (int64 [T, M], positions like the targets: in cols if given): also returns zg fp32
     [T, M], the softcapped e4m3 logits z[t, gather_cols[t, m]] (0 outside [0, N)), differentiable,
-    as the third value; its gradient joins the same e5m2 backward launch."""
+    as the third value; its gradient joins the same e5m2 backward launch.
+
+    head_sample (perf/sampled_head_grad.py `HeadSample`, or None: the exact dW, bit for bit today's):
+    PR #371's sampled lm_head weight gradient over `cols` (required: the PR samples only on the
+    sampled-softmax path); T must be a multiple of its group. dx is unchanged."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"fp8_lm_head_loss: x {tuple(x.shape)} and lm_head {tuple(w.shape)} must be [T, D] and [D, V]")
+    if head_sample is not None:
+        if cols is None:
+            raise ValueError("fp8_lm_head_loss: head_sample (PR #371's sampled lm_head dW) needs the sampled "
+                             "softmax's candidate columns `cols`; the full-softmax path stays exact")
+        if x.shape[0] % head_sample.group:
+            raise ValueError(f"fp8_lm_head_loss: head_sample keeps one row of every {head_sample.group}, "
+                             f"but x has {x.shape[0]} rows")
     weights = loss_weights(mtp_weights, prefix_weight, x.device)  # [w_0..w_{K-1}, w_p]
-    return Fp8LMHeadLossFunction.apply(x, w, cols, targets, prefix_targets, weights, len(mtp_weights), gather_cols)
+    return Fp8LMHeadLossFunction.apply(x, w, cols, targets, prefix_targets, weights, len(mtp_weights), gather_cols,
+                                       head_sample)
 
 
 # The packed fp8 QKV projection of record #360 training (track_1_short/model/attention.py): static scales for the input

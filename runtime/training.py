@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from config import RunConfig
+from config import ConfigError, RunConfig
 from data.loader import NO_NGRAM, dummy_batch, val_batches
 from data.ngram import ngram_hash_sizes
 from model.embeddings import NgramTable, ngram_shard_range
@@ -46,6 +46,7 @@ from runtime.sync_check import host_side
 from perf import streams
 from perf.host_table import HostRows, choose_placement
 from perf.pinned_batches import PinnedBatchRing
+from perf.sampled_head_grad import HeadSample
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -166,6 +167,17 @@ class Run:
         # one process playing several ranks: what each keeps for itself, a copy per virtual rank
         # (optim/lanes.py): gradients that live across steps, the fp8 delayed scales
         self.lanes = Lanes(setup.accum, self.per_rank_tensors) if setup.accum > 1 else None
+        # PR #371's sampled lm_head dW: one device counter per rank (rank r starts at r, each call adds the
+        # world size), advanced inside the captured backward; a process playing several ranks keeps one per lane
+        self.head_sample = None
+        if features.approx_lm_head_grad:
+            if not self.model.fp8:
+                raise ConfigError("--set features.approx_lm_head_grad=true samples the fp8 lm_head's weight-gradient "
+                                  "GEMM (PR #371); this device runs no fp8 GEMMs (below SM89): switch it off")
+            self.head_sample = HeadSample(setup.virtual_ranks[0], cfg.virtual_world_size, setup.device)
+            if self.lanes is not None:
+                self.lanes.seed(self.head_sample.counter, [torch.full((), r, dtype=torch.int64, device=setup.device)
+                                                           for r in setup.virtual_ranks])
         # the post-warmup reset's snapshot of the weights, off the device for the whole run: pinned
         # host memory on CUDA (copied back non-blocking; the clock starts after a synchronize), a
         # plain host copy otherwise. Tensors only: the YaRN scales (extra state) reset by reset_rotary.
@@ -324,7 +336,7 @@ class Run:
                 self.prefetch(step, next_batches)
             args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp_weights,
                             prefix_weight=prefix_weight, candidates=candidates, training=True,
-                            max_seq_len=batch.max_seq_len)
+                            max_seq_len=batch.max_seq_len, head_sample=self.head_sample if s.head_sample else None)
             if self.lanes is not None:
                 self.lanes.load(lane)  # virtual rank `lane`'s own gradients and fp8 scales
             total += self.run_region("forward_backward", s.geometry, lambda: self.forward_backward(batch, rows, args))
@@ -552,6 +564,8 @@ class Run:
         self.windows = self.schedule.windows(0)
         self.model.rearm_fp8()
         self.model.refresh_fp8()
+        if self.head_sample is not None:
+            self.head_sample.reset()  # its first virtual rank's; the others' are their lanes' seeds
         if self.lanes is not None:
             self.lanes.reset()  # every virtual rank: zero gradients, the initial fp8 scales
 

@@ -343,9 +343,13 @@ def graph_inputs(cfg, schedule, spec: GraphSpec) -> tuple:
         mtp = torch.zeros(len(s.mtp_weights), dtype=torch.float32, device=dev)
         prefix = torch.zeros((), dtype=torch.float32, device=dev) if s.prefix_weight else None
         candidates = torch.zeros(s.softmax_p, dtype=torch.int64, device=dev) if s.softmax_p else None
+        head_sample = None
+        if s.head_sample:  # PR #371: the counter a run keeps per rank (training.Run), rank 0's
+            from perf.sampled_head_grad import HeadSample
+            head_sample = HeadSample(0, cfg.virtual_world_size, dev)
         args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp,
                         prefix_weight=prefix, candidates=candidates, training=True,
-                        max_seq_len=schedule.max_seq_len(spec.step))
+                        max_seq_len=schedule.max_seq_len(spec.step), head_sample=head_sample)
         rows = torch.zeros(2 * T, D, dtype=torch.bfloat16, device=dev, requires_grad=True)  # the sink leaf
     else:
         T = cfg.val_batch_tokens // cfg.virtual_world_size

@@ -81,14 +81,16 @@ def optimizer_state(manager) -> list[tuple[str, Tensor]]:
 def run_state(run) -> list[tuple[str, Tensor]]:
     """[(name, tensor)] of everything of a training.Run that outlives a region: parameters and
     their gradients, buffers, optimizer states and device scalars, the n-gram table and its
-    optimizer, the schedule's weight buffers, the static inputs (first name wins for shared
-    storage: parameters first)."""
+    optimizer, the schedule's weight buffers, the sampled lm_head gradient's counter, the static
+    inputs (first name wins for shared storage: parameters first)."""
     out = module_state(run.model) + optimizer_state(run.manager)
     if run.table is not None:  # (features.ngram off: no table, no row optimizer)
         _walk("ngram_optimizer.state", run.ngram_opt.state, out)
         if isinstance(run.table.rows, Tensor):  # a host table (perf/host_table.py HostRows) is no device state:
             out.append(("ngram_table.rows", run.table.rows))  # only its worker writes it, outside every region
     _walk("step_weights", vars(run.step_weights), out)
+    if getattr(run, "head_sample", None) is not None:  # PR #371's counter, advanced inside the captured backward
+        out.append(("head_sample.counter", run.head_sample.counter))
     for (name, shape, dtype), t in run.static_inputs.items():
         label = f"static_input[{name} {list(shape)} {str(dtype).removeprefix('torch.')}]"
         out.append((label, t))

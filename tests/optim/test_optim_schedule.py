@@ -200,3 +200,20 @@ def test_each_proposal_runs_its_prs_schedule(name):
     table_events = [t for t in range(n) if s.is_table_event(t)]
     assert (len(table_events), table_events[-1]) == (events, last)
     assert [s.windows(e) for e in ends[:-1]] == [(1, 3), (3, 7), (5, 11), (5, 11), (6, 13)]
+
+
+def test_the_sampled_lm_head_gradient_is_on_where_pr_371_samples_it():
+    """features.approx_lm_head_grad (PR #371): the sampled-softmax steps with at least the stage-1 batch, 320-1106
+    on the record (787 steps, its HEAD_SAMPLE_MIN_ROWS = 32,768 rows per rank), scaled with the smoke's stages;
+    it joins the geometry, and without the switch no step has it."""
+    from config import RUN_PRESETS, FeatureConfig, ScheduleConfig
+
+    on = TrainingSchedule(ScheduleConfig(), FeatureConfig(approx_lm_head_grad=True))
+    steps = [s for s in range(on.total_steps) if on.settings(s).head_sample]
+    assert (steps[0], steps[-1], len(steps)) == (320, 1106, 787)
+    assert on.batch_tokens(320) // 8 == 32768 and on.batch_tokens(319) // 8 == 16384
+    assert on.settings(320).geometry != TrainingSchedule(ScheduleConfig()).settings(320).geometry
+    smoke = TrainingSchedule(RUN_PRESETS["smoke"].schedule, FeatureConfig(approx_lm_head_grad=True))
+    assert [s for s in range(smoke.total_steps) if smoke.head_sample(s)] == list(range(17, 60))
+    record = TrainingSchedule(ScheduleConfig())
+    assert not any(record.settings(s).head_sample for s in range(record.total_steps))

@@ -1,6 +1,7 @@
 """The proposals past the record (config.PROPOSALS, `train_gpt.py --proposal NAME`): each is its PR's features
 and schedule in one flag; DocCopy alone is refused; and the fast path's CPU proofs hold with every frontier
-switch on (DocCopy on token-normalized hashes, and CPLM: one run proves both, so CI pays for one): a
+switch on (DocCopy on token-normalized hashes, CPLM, and the sampled lm_head gradient of ApproximateBackward
+from step 17: one run proves them all, so CI pays for one): a
 compiled (aot_eager, fullgraph), CUDA-graph-captured (the CPU twin checks every replay against eager,
 bitwise) smoke run under the sync check traces every graph in its warmup, none after, and never syncs a
 step; its validation prints CPLM's diagnostics. Its own file: its run is long (about 120 s alone)."""
@@ -24,12 +25,13 @@ PROOF_ENV = {"SPEEDRUN_COMPILE": "1", "SPEEDRUN_COMPILE_BACKEND": "aot_eager", "
 
 def _proof_commands(folder):
     """The embedded corpus, then 19 smoke steps (two geometries across the first stage transition at 17,
-    Adam and table steps, the exact and the delayed fp8 refreshes) with --proposal doc_copy and CPLM on,
-    compiled and captured, validating at the end only (CI time)."""
+    Adam and table steps, the exact and the delayed fp8 refreshes) with --proposal doc_copy, CPLM and the
+    sampled lm_head gradient on, compiled and captured, validating at the end only (CI time)."""
     data = folder / "synthetic"
     return [[sys.executable, "-c", "import sys; from data.synthetic import write_corpus; "
              "write_corpus(sys.argv[1], progress=False)", str(data)],
             [sys.executable, "train_gpt.py", "--config", "smoke", "--proposal", "doc_copy", "--set", "features.cplm=true",
+             "--set", "features.approx_lm_head_grad=true",
              "--data-path", str(data),
              "--records-dir", str(folder / "records"), "--seed", "0", "--max-steps", "19", "--val-every", "0",
              "--val-tokens", "2048", "--log-train-loss"]]
@@ -82,7 +84,8 @@ def test_the_proposals_compile_capture_and_never_sync():
     head = lines[first:next(i for i, line in enumerate(lines) if line.startswith("[schedule] stage ends"))]
     assert head[1].startswith("proposal doc_copy: PR #378 (on PR #375), DocCopy") and \
         "features on: token_norm_hashes, doc_copy" in head[1]
-    assert re.match(r"features: token_norm_hashes on \(.*\), doc_copy on \(.*\), cplm on \(", head[2]), head
+    assert re.match(r"features: token_norm_hashes on \(.*\), doc_copy on \(.*\), cplm on \(.*\), "
+                    r"approx_lm_head_grad on \(", head[2]), head
     assert ("token_norm: 32,980 classes over GPT-2's 50,257 ids, 17,277 remapped, sha256 79fb57ac259495ba36f1afb9b0"
             "d5da35f3048b5067fa59c101d5a3c1ed15c2a2") in "\n".join(head)
     log = "\n".join(lines[first:])

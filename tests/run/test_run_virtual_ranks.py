@@ -116,3 +116,43 @@ def test_eight_virtual_ranks_agree_as_1x8_2x4_and_8x1(tmp_path, shards):
         assert runs[nproc]["train_losses"][0] == pytest.approx(ref["train_losses"][0], rel=1e-6)
         assert runs[nproc]["train_losses"] == pytest.approx(ref["train_losses"], rel=EIGHT_RANK_BOUND)
         assert runs[nproc]["val_loss"] == pytest.approx(ref["val_loss"], rel=EIGHT_RANK_BOUND)
+
+
+HEAD_SAMPLE_WORKER = textwrap.dedent("""
+    import dataclasses, os, sys
+    import torch
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    from runtime import training
+    from config import RUN_PRESETS, FeatureConfig
+    from data.loader import dummy_batch
+
+    cfg = dataclasses.replace(RUN_PRESETS["smoke"], seed=0, features=FeatureConfig(approx_lm_head_grad=True))
+    setup = training.Setup(cfg)
+    setup.init_process_group(120)
+    run = training.Run(cfg, setup)
+    for step in (17, 18, 19):  # sampled lm_head dW (stage 1), Adam updates on 17 and 19
+        tokens = run.schedule.batch_tokens(step) // cfg.virtual_world_size
+        run.train_step(step, [dummy_batch(tokens, run.schedule.doc_cap(step), seed=1000 * step + r, **run.hash_args)
+                              for r in setup.virtual_ranks])
+    run.flush()
+    counter = run.head_sample.counter
+    counters = [c[0] for c in run.lanes.lane_copies([counter])] if run.lanes is not None else [counter]
+    torch.save([[int(c) for c in counters], run.model.lm_head.weight.detach().clone()], f"{out}.{rank}")
+    run.close()
+    if world > 1:
+        torch.distributed.destroy_process_group()
+""")
+
+
+@pytest.mark.distributed
+def test_one_process_keeps_each_virtual_ranks_head_sample_counter(tmp_path):
+    """features.approx_lm_head_grad (PR #371): 3 sampled smoke steps on dummy batches; virtual rank r's counter
+    in 1 process is rank r's of a 2-rank run (r + 2·3 after three calls), and the lm_head both end with is bitwise
+    the same (each rank kept the same rows)."""
+    run_workers(HEAD_SAMPLE_WORKER, tmp_path, 1, tmp_path / "one", timeout=300)
+    run_workers(HEAD_SAMPLE_WORKER, tmp_path, 2, tmp_path / "two", timeout=300)
+    one_counters, one_head = torch.load(tmp_path / "one.0")
+    two = [torch.load(tmp_path / f"two.{r}") for r in range(2)]
+    assert one_counters == [6, 7] and [two[r][0] for r in range(2)] == [[6], [7]]
+    assert torch.equal(one_head, two[0][1]) and torch.equal(two[0][1], two[1][1])
