@@ -47,6 +47,8 @@ def test_a_proposal_is_its_prs_features_and_base_steps_and_the_flags_still_win()
     assert (cfg.name, cfg.proposal, cfg.schedule.base_steps) == ("record", "doc_copy", 1060)
     assert cfg.features.added() == ["token_norm_hashes", "doc_copy"] and cfg.features.off() == []
     assert cfg.schedule == ScheduleConfig(base_steps=1060)  # nothing else of the record's schedule moves
+    cfg, _ = train_gpt.parse_args(["--proposal", "cplm"])  # PR #379: 978 scheduled iterations, 1050 steps
+    assert (cfg.proposal, cfg.schedule, cfg.features.added()) == ("cplm", ScheduleConfig(base_steps=978), ["cplm"])
     cfg, _ = train_gpt.parse_args(["--proposal", "token_norm_hashes", "--config", "recipe"])
     assert (cfg.schedule.base_steps, cfg.features.added()) == (1107, ["token_norm_hashes"])
     cfg, _ = train_gpt.parse_args(["--proposal", "doc_copy", "--steps", "1050", "--set", "features.fp8=false"])
