@@ -177,6 +177,32 @@ def _score_grad(q, k, rows, cols, doc_i, doc_j, band_i, y_i, x_j, lse, g_copy, d
 
 
 @triton.jit
+def _key_tile(k_ptr, doc_ptr, inputs_ptr, cols, N, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A key tile's (k (BLOCK_N, BLOCK_D), col_ok, doc_j, x_j): keys past N read doc −2 and token −1,
+    so they pair with no query and match no target."""
+    col_ok = cols < N
+    k = _row_tile(k_ptr, cols, col_ok, D, BLOCK_D)
+    doc_j = tl.load(doc_ptr + cols, mask=col_ok, other=-2)
+    x_j = tl.load(inputs_ptr + cols, mask=col_ok, other=-1)
+    return k, col_ok, doc_j, x_j
+
+
+@triton.jit
+def _query_grad_tile(q_ptr, doc_ptr, targets_ptr, lse_ptr, g_copy_ptr, drow_ptr, rows, N, L,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A query tile's backward inputs (q (BLOCK_M, BLOCK_D), row_ok, doc_i, y_i, lse_i, gP_i, drow_i, band
+    start_i): rows past N read doc −1 and target −1; the band start per row, as a tile may straddle blocks."""
+    row_ok = rows < N
+    q = _row_tile(q_ptr, rows, row_ok, D, BLOCK_D)
+    doc_i = tl.load(doc_ptr + rows, mask=row_ok, other=-1)
+    y_i = tl.load(targets_ptr + rows, mask=row_ok, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g_copy = tl.load(g_copy_ptr + rows, mask=row_ok, other=0.0)
+    drow = tl.load(drow_ptr + rows, mask=row_ok, other=0.0)
+    return q, row_ok, doc_i, y_i, lse, g_copy, drow, (rows // L) * L - L
+
+
+@triton.jit
 def _copy_pointer_fwd_kernel(
     q_ptr, k_ptr, s0_ptr, inputs_ptr, targets_ptr, doc_ptr, dstart_ptr, lse_ptr, p_copy_ptr, a_sink_ptr,
     N, L,
@@ -205,10 +231,7 @@ def _copy_pointer_fwd_kernel(
     last = tl.minimum(m0 + BLOCK_M, N) - 1  # the tile's last row: keys j < i stop before it
     for n0 in range(_key_start(dstart_ptr, m0, L, BLOCK_N), last, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        k = _row_tile(k_ptr, cols, col_ok, D, BLOCK_D)  # (BN, BD)
-        doc_j = tl.load(doc_ptr + cols, mask=col_ok, other=-2)
-        x_j = tl.load(inputs_ptr + cols, mask=col_ok, other=-1)
+        k, col_ok, doc_j, x_j = _key_tile(k_ptr, doc_ptr, inputs_ptr, cols, N, D, BLOCK_D)  # k: (BN, BD)
         s = _dot(q, tl.trans(k), UPCAST) * SCALE  # (BM, BN) fp32
         s = tl.where(_valid_pairs(rows, cols, doc_i, doc_j, band_i), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: m_i starts at s0
@@ -234,22 +257,13 @@ def _copy_pointer_dq_kernel(
     through the pair scores; the sink's part reaches q through s0 outside the kernel)."""
     m0 = tl.program_id(0) * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < N
-    q = _row_tile(q_ptr, rows, row_ok, D, BLOCK_D)  # (BM, BD)
-    doc_i = tl.load(doc_ptr + rows, mask=row_ok, other=-1)
-    y_i = tl.load(targets_ptr + rows, mask=row_ok, other=-1)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    g_copy = tl.load(g_copy_ptr + rows, mask=row_ok, other=0.0)
-    drow = tl.load(drow_ptr + rows, mask=row_ok, other=0.0)
-    band_i = (rows // L) * L - L
+    q, row_ok, doc_i, y_i, lse, g_copy, drow, band_i = _query_grad_tile(
+        q_ptr, doc_ptr, targets_ptr, lse_ptr, g_copy_ptr, drow_ptr, rows, N, L, D, BLOCK_D)  # q: (BM, BD)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     last = tl.minimum(m0 + BLOCK_M, N) - 1
     for n0 in range(_key_start(dstart_ptr, m0, L, BLOCK_N), last, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        k = _row_tile(k_ptr, cols, col_ok, D, BLOCK_D)  # (BN, BD)
-        doc_j = tl.load(doc_ptr + cols, mask=col_ok, other=-2)
-        x_j = tl.load(inputs_ptr + cols, mask=col_ok, other=-1)
+        k, col_ok, doc_j, x_j = _key_tile(k_ptr, doc_ptr, inputs_ptr, cols, N, D, BLOCK_D)  # k: (BN, BD)
         ds = _score_grad(q, k, rows, cols, doc_i, doc_j, band_i, y_i, x_j, lse, g_copy, drow, SCALE, UPCAST)
         acc += _dot(ds, k, UPCAST)  # (BM, BD)
     dcols = tl.arange(0, BLOCK_D)
@@ -269,23 +283,14 @@ def _copy_pointer_dk_kernel(
     a later query is in another document, or two blocks on, where the band no longer reaches the tile."""
     n0 = tl.program_id(0) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    k = _row_tile(k_ptr, cols, col_ok, D, BLOCK_D)  # (BN, BD)
-    doc_j = tl.load(doc_ptr + cols, mask=col_ok, other=-2)
-    x_j = tl.load(inputs_ptr + cols, mask=col_ok, other=-1)
+    k, col_ok, doc_j, x_j = _key_tile(k_ptr, doc_ptr, inputs_ptr, cols, N, D, BLOCK_D)  # k: (BN, BD)
     last = tl.minimum(n0 + BLOCK_N, N) - 1  # the tile's last key
     end = tl.minimum(tl.minimum(tl.load(dend_ptr + last), (last // L + 2) * L), N)
     acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     for m0 in range(n0, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < N
-        q = _row_tile(q_ptr, rows, row_ok, D, BLOCK_D)  # (BM, BD)
-        doc_i = tl.load(doc_ptr + rows, mask=row_ok, other=-1)
-        y_i = tl.load(targets_ptr + rows, mask=row_ok, other=-1)
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-        g_copy = tl.load(g_copy_ptr + rows, mask=row_ok, other=0.0)
-        drow = tl.load(drow_ptr + rows, mask=row_ok, other=0.0)
-        band_i = (rows // L) * L - L
+        q, row_ok, doc_i, y_i, lse, g_copy, drow, band_i = _query_grad_tile(
+            q_ptr, doc_ptr, targets_ptr, lse_ptr, g_copy_ptr, drow_ptr, rows, N, L, D, BLOCK_D)  # q: (BM, BD)
         ds = _score_grad(q, k, rows, cols, doc_i, doc_j, band_i, y_i, x_j, lse, g_copy, drow, SCALE, UPCAST)
         acc += _dot(tl.trans(ds), q, UPCAST)  # (BN, BD)
     dcols = tl.arange(0, BLOCK_D)
