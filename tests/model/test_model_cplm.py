@@ -297,3 +297,24 @@ def test_the_validation_mixture_and_its_diagnostics():
     assert diag[4].item() == pytest.approx(a_sink.sum().item(), rel=1e-5)
     line = diagnostics_line(diag)
     assert line.startswith(f"cplm: nll {nll.mean().item():.4f}, lm_nll ") and line.endswith(f"({T} tokens)")
+
+
+def test_the_canonical_mask_never_drops_copy():
+    """validation_loss with the pointer and a canonical mask whose byte over columns 50256..50263 is all set:
+    every one of those columns is masked (−60) but `<copy>` (50257), as frontier_cplm.md §7 has it."""
+    from model.canonical_mask import MASK_FILL
+    from model.loss import validation_logits, validation_loss
+
+    gen = torch.Generator().manual_seed(4)
+    T, D = 6, 8
+    x, w = torch.randn(T, D, generator=gen), 0.5 * torch.randn(D, V_FULL, generator=gen)
+    inputs, targets = torch.randint(0, 50000, (T,), generator=gen), torch.randint(0, 50000, (T,), generator=gen)
+    p_copy, a_sink = torch.rand(T, generator=gen) * 0.5, torch.rand(T, generator=gen) * 0.5
+    mask = torch.zeros(V_FULL, V_FULL // 8, dtype=torch.uint8)
+    mask[:, COPY_TOKEN_ID // 8] = 0xFF
+    got = validation_loss(x, w, targets, inputs, mask, (p_copy, a_sink))
+    z = validation_logits(x, w).double()
+    z[:, [50256, *range(50258, 50264)]] = MASK_FILL
+    lse = torch.logsumexp(z, -1)
+    want = validation_mixture_nll(z[torch.arange(T), targets], z[:, COPY_TOKEN_ID], lse, p_copy.double(), a_sink.double())
+    assert got.item() == pytest.approx(want.mean().item(), rel=1e-6)
