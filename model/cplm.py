@@ -124,8 +124,8 @@ def validation_sums(z: Tensor, targets: Tensor, p_copy: Tensor, a_sink: Tensor) 
     alpha = torch.exp(z_copy - lse)
     lm_nll = -torch.log(torch.exp(z_target - lse) / torch.clamp(1.0 - alpha, min=ALPHA_FLOOR) + NLL_EPS)
     share = alpha * p_copy / torch.exp(-nll)
-    return torch.stack([z.new_tensor(float(z.shape[0])), nll.sum(), lm_nll.sum(), alpha.sum(), a_sink.sum(),
-                        share.sum()])
+    count = nll.new_full((), float(z.shape[0]))  # a fill: no host-to-device copy of a constant
+    return torch.stack([count, nll.sum(), lm_nll.sum(), alpha.sum(), a_sink.sum(), share.sum()])
 
 
 def diagnostics_line(sums: Tensor) -> str:

@@ -91,13 +91,18 @@ def cplm_head_and_mixture_loss():
     """CPLM (PR #379, model/cplm.py) at a smoke batch of 1,024 tokens, forward and backward: the pointer's
     projections and QK norm, its three Triton kernels (perf/kernels/copy_pointer.py, band 2048), and the fp8
     lm_head CE handing back lse and the gathered z of the target and `<copy>` columns (NUM_GATHER = 2) under
-    the sampled softmax, the mixture NLL on top (model/loss.py training_loss)."""
-    from model.cplm import COPY_DIM, COPY_TOKEN_ID, copy_head
-    from model.loss import training_loss
+    the sampled softmax, the mixture NLL on top (model/loss.py training_loss); and the validation's mixture on
+    the full softmax (band 8192) with its diagnostic sums added into a buffer (model/loss.py validation_loss),
+    whose count was once a constant tensor built from a Python float: a host-to-device copy that the fake
+    GPU refused (as it should: on a GPU it is a copy the validation would wait for)."""
+    from model.cplm import COPY_BAND_VAL, COPY_DIM, COPY_TOKEN_ID, DIAGNOSTICS, copy_head
+    from model.loss import training_loss, validation_loss
 
-    def fn(h, bank, k_sink, gain, lm_head, inputs, targets, cu_seqlens, candidates, mtp):
+    def fn(h, bank, k_sink, gain, lm_head, inputs, targets, cu_seqlens, candidates, mtp, diagnostics):
         copy = copy_head(h, bank, k_sink, gain, inputs, targets, cu_seqlens, 2048)
-        return training_loss(h, lm_head, targets, mtp, None, None, candidates, fp8=True, copy=copy)
+        loss = training_loss(h, lm_head, targets, mtp, None, None, candidates, fp8=True, copy=copy)
+        val_copy = copy_head(h, bank, k_sink, gain, inputs, targets, cu_seqlens, COPY_BAND_VAL)
+        return loss, validation_loss(h, lm_head, targets, inputs, None, val_copy, diagnostics)
 
     T, D, P = 1024, 96, 1280
     leaf = dict(requires_grad=True)
@@ -105,4 +110,5 @@ def cplm_head_and_mixture_loss():
     return fn, (torch.zeros(T, D, dtype=torch.bfloat16, **leaf), torch.zeros(2, COPY_DIM, D, dtype=torch.bfloat16, **leaf),
                 torch.zeros(COPY_DIM, **leaf), torch.ones(1, **leaf), torch.zeros(D, 50304, dtype=torch.bfloat16, **leaf),
                 torch.zeros(T, dtype=torch.int32), torch.zeros(T, dtype=torch.long),
-                torch.tensor([0, 300, 700, T, T], dtype=torch.int32), candidates, torch.tensor([1.0, 0.5]))
+                torch.tensor([0, 300, 700, T, T], dtype=torch.int32), candidates, torch.tensor([1.0, 0.5]),
+                torch.zeros(len(DIAGNOSTICS)))
