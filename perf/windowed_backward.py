@@ -47,9 +47,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from perf.attention_backends import _check_segments, _stream_layout, sdpa_varlen_attention, segment_ids
+from perf.attention_backends import _stream_layout, sdpa_varlen_attention, segment_ids
 from perf.backend import current
-from perf.kernels.windowed_backward import windowed_attention_backward_triton
+from perf.kernels.windowed_backward import check_backward_inputs, check_layout, windowed_attention_backward_triton
 
 DEFAULT_CHUNK = 2048  # query positions per score tile: sdpa_varlen_attention's default, the same masks
 FULL_WINDOW_CODE = -1  # PR #371: a head-table entry below 0 means the launch window ("full")
@@ -83,13 +83,6 @@ def _chunk_mask(seg: Tensor, lo: int, hi: int, k_lo: int, windows) -> Tensor:
     return same & (dist >= 0) & (dist <= windows)
 
 
-def _check_layout(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> None:
-    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"windowed attention: q, k [n, H, d_qk] and v [n, H, d_v], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    _check_segments(cu_seqlens, q.shape[0])
-
-
 def varlen_attention_lse(q: Tensor, k: Tensor, cu_seqlens: Tensor, scale: float, window: int,
                          chunk: int = DEFAULT_CHUNK) -> Tensor:
     """LSE_i = ln Σ_j exp(scale·q_i·k_j) over the keys query i sees (same segment, 0 <= i − j <= window):
@@ -115,7 +108,7 @@ def windowed_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tens
     (PR #371: output and LSE bit-equal to #360's). The LSE comes from a second, plain pass over the same
     dense per-segment window (`varlen_attention_lse`); on the fast path it is FA3's own softmax_lse.
     """
-    _check_layout(q, k, v, cu_seqlens)
+    check_layout(q, k, v, cu_seqlens)
     out = sdpa_varlen_attention(q, k, v, cu_seqlens, window, scale, chunk=chunk)  # (n, H, d_v)
     return out, varlen_attention_lse(q, k, cu_seqlens, scale, window, chunk)
 
@@ -129,14 +122,8 @@ def windowed_attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     codes −1 give the exact attention gradient. lse must be the full-window forward's (never a shorter
     window's): that is what "without renormalizing" means.
     """
-    _check_layout(q, k, v, cu_seqlens)
+    check_backward_inputs("windowed_attention_backward", q, k, v, out, lse, d_out, cu_seqlens, head_windows)
     n, H, _ = q.shape
-    if out.shape != v.shape or d_out.shape != v.shape or lse.shape != (H, n) or head_windows.shape != (H,):
-        raise ValueError(f"windowed_attention_backward: out, d_out {tuple(v.shape)}, lse {(H, n)} and "
-                         f"head_windows {(H,)} expected, got {tuple(out.shape)}, {tuple(d_out.shape)}, "
-                         f"{tuple(lse.shape)}, {tuple(head_windows.shape)}")
-    if head_windows.dtype != torch.int32:
-        raise TypeError(f"head_windows must be int32 (the persistent code table), got {head_windows.dtype}")
     acc = _math_dtype(q.dtype)
     seg = segment_ids(cu_seqlens, n)
     windows = effective_windows(head_windows, window)[:, None, None]  # (H, 1, 1), on the device

@@ -128,6 +128,21 @@ def _kept_pairs(rows, cols, seg_i, seg_j, w):
 # Kernels
 
 @triton.jit
+def _query_tile(q_ptr, d_out_ptr, seg_ptr, lse_ptr, delta_ptr, h, rows, n,
+                stride_qn, stride_qh, stride_gn, stride_gh, stride_lh,
+                DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Head h's query tile for the backward: (q, dO, segment id, LSE, D) at `rows`; rows past n read 0
+    and segment −1, so they pair with no key."""
+    row_ok = rows < n
+    q = _tile(q_ptr + h * stride_qh, rows, row_ok, stride_qn, DQK, BLOCK_DQK)
+    g = _tile(d_out_ptr + h * stride_gh, rows, row_ok, stride_gn, DV, BLOCK_DV)
+    seg_i = tl.load(seg_ptr + rows, mask=row_ok, other=-1)
+    lse = tl.load(lse_ptr + h * stride_lh + rows, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + h * n + rows, mask=row_ok, other=0.0)
+    return q, g, seg_i, lse, delta
+
+
+@triton.jit
 def _delta_kernel(
     out_ptr, d_out_ptr, delta_ptr,
     n, stride_on, stride_oh, stride_gn, stride_gh,
@@ -171,12 +186,9 @@ def _dkdv_kernel(
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     for m0 in range(n0, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)  # queries i
-        row_ok = rows < n
-        q = _tile(q_ptr + h * stride_qh, rows, row_ok, stride_qn, DQK, BLOCK_DQK)  # (BM, BDQK)
-        g = _tile(d_out_ptr + h * stride_gh, rows, row_ok, stride_gn, DV, BLOCK_DV)  # (BM, BDV)
-        seg_i = tl.load(seg_ptr + rows, mask=row_ok, other=-1)
-        lse = tl.load(lse_ptr + h * stride_lh + rows, mask=row_ok, other=0.0)
-        delta = tl.load(delta_ptr + h * n + rows, mask=row_ok, other=0.0)
+        q, g, seg_i, lse, delta = _query_tile(q_ptr, d_out_ptr, seg_ptr, lse_ptr, delta_ptr, h, rows, n,
+                                              stride_qn, stride_qh, stride_gn, stride_gh, stride_lh,
+                                              DQK, BLOCK_DQK, DV, BLOCK_DV)  # q (BM, BDQK), g (BM, BDV)
         s_t = _dot(k, tl.trans(q), UPCAST) * SCALE  # (BN, BM): s·q_i·k_j
         keep_t = tl.trans(_kept_pairs(rows, cols, seg_i, seg_j, w))  # (BN, BM)
         # masked before exp: a dropped pair may score far above LSE_i (past w_h, another segment)
@@ -205,11 +217,9 @@ def _dq_kernel(
     w = _head_window(head_windows_ptr, h, window)
     rows = m0 + tl.arange(0, BLOCK_M)  # queries i
     row_ok = rows < n
-    q = _tile(q_ptr + h * stride_qh, rows, row_ok, stride_qn, DQK, BLOCK_DQK)  # (BM, BDQK)
-    g = _tile(d_out_ptr + h * stride_gh, rows, row_ok, stride_gn, DV, BLOCK_DV)  # (BM, BDV)
-    seg_i = tl.load(seg_ptr + rows, mask=row_ok, other=-1)
-    lse = tl.load(lse_ptr + h * stride_lh + rows, mask=row_ok, other=0.0)
-    delta = tl.load(delta_ptr + h * n + rows, mask=row_ok, other=0.0)
+    q, g, seg_i, lse, delta = _query_tile(q_ptr, d_out_ptr, seg_ptr, lse_ptr, delta_ptr, h, rows, n,
+                                          stride_qn, stride_qh, stride_gn, stride_gh, stride_lh,
+                                          DQK, BLOCK_DQK, DV, BLOCK_DV)  # q (BM, BDQK), g (BM, BDV)
     # segment starts never decrease with i: the first query's start bounds every row's (>= 0)
     lo = tl.maximum(tl.load(seg_start_ptr + m0), m0 - w)
     lo = (lo // BLOCK_N) * BLOCK_N  # key tiles aligned to BLOCK_N (lo >= 0: no negative division)
@@ -245,12 +255,19 @@ def segment_bounds(cu_seqlens: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
     return seg.int(), start.int(), end.int()
 
 
-def _check_inputs(name, q, k, v, out, lse, d_out, cu_seqlens, head_windows) -> None:
-    """The definition's checks (`windowed_attention_backward`'s messages), from shapes and dtypes only."""
+def check_layout(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> None:
+    """q, k [n, H, d_qk], v [n, H, d_v] and cu_seqlens' segments: the checks the definition
+    (perf/windowed_backward.py, which imports this module) and the kernels share."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"windowed attention: q, k [n, H, d_qk] and v [n, H, d_v], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     _check_segments(cu_seqlens, q.shape[0])
+
+
+def check_backward_inputs(name, q, k, v, out, lse, d_out, cu_seqlens, head_windows) -> None:
+    """The restricted backward's checks from shapes and dtypes only, shared by the definition and the kernels:
+    the layout, out and d_out like v, lse [H, n], the int32 code table [H]."""
+    check_layout(q, k, v, cu_seqlens)
     n, H, _ = q.shape
     if out.shape != v.shape or d_out.shape != v.shape or lse.shape != (H, n) or head_windows.shape != (H,):
         raise ValueError(f"{name}: out, d_out {tuple(v.shape)}, lse {(H, n)} and "
@@ -258,6 +275,11 @@ def _check_inputs(name, q, k, v, out, lse, d_out, cu_seqlens, head_windows) -> N
                          f"{tuple(lse.shape)}, {tuple(head_windows.shape)}")
     if head_windows.dtype != torch.int32:
         raise TypeError(f"head_windows must be int32 (the persistent code table), got {head_windows.dtype}")
+
+
+def _check_inputs(name, q, k, v, out, lse, d_out, cu_seqlens, head_windows) -> None:
+    """`check_backward_inputs`, then what the kernels alone need: their dtypes and int32 offsets."""
+    check_backward_inputs(name, q, k, v, out, lse, d_out, cu_seqlens, head_windows)
     bad = [t.dtype for t in (q, k, v, out, d_out) if t.dtype not in KERNEL_DTYPES]
     if bad:
         raise TypeError(f"{name}: q, k, v, out, d_out must be bf16, fp16 or fp32 (the definition "

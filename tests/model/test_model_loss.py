@@ -125,11 +125,9 @@ def _fp8_lm_head_loss_reference(x, w, cols, targets, mtp, prefix, pw):
     return total.detach(), g @ w_cols.t(), dw
 
 
-@pytest.mark.parametrize("triton", [False, True], ids=["portable", "triton"])
-@pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "full"])
-def test_fp8_lm_head_loss_matches_float64_reference(triton, sampled):
-    """e4m3 logits straight into the CE, on both paths, against the float64 reference of the same
-    recipe: the loss to fp32 precision, dx and dW to the e5m2 gradient's precision."""
+def fp8_head_case(sampled: bool):
+    """The fp8 lm_head tests' inputs: (x [16, 32] and w [32, 64] bf16 leaves, the candidate columns or None,
+    their count N, targets with one skipped, prefix targets (−1 for none), the MTP weights)."""
     gen = torch.Generator().manual_seed(3)
     T, D, V = 16, 32, 64
     x = (2 * torch.randn(T, D, generator=gen)).bfloat16().requires_grad_()
@@ -139,7 +137,16 @@ def test_fp8_lm_head_loss_matches_float64_reference(triton, sampled):
     targets = torch.randint(0, N, (T,), generator=gen)
     targets[4] = -100  # skipped
     prefix = torch.randint(-1, N, (T,), generator=gen)
-    mtp = (1.0, 0.5, 0.25)
+    return x, w, cols, N, targets, prefix, (1.0, 0.5, 0.25)
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["portable", "triton"])
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "full"])
+def test_fp8_lm_head_loss_matches_float64_reference(triton, sampled):
+    """e4m3 logits straight into the CE, on both paths, against the float64 reference of the same
+    recipe: the loss to fp32 precision, dx and dW to the e5m2 gradient's precision."""
+    x, w, cols, N, targets, prefix, mtp = fp8_head_case(sampled)
+    V = w.shape[1]
     with use_backend(triton=triton):
         loss, _ = fp8_lm_head_loss(x, w, targets, mtp, prefix, 0.3, cols)
         loss.backward(torch.tensor(2.0))  # grad_out rides into the e5m2 scale

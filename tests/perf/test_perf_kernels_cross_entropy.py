@@ -12,6 +12,7 @@ import model.loss as loss_module
 from perf.kernels import cross_entropy as ce
 from perf.backend import use_backend
 from perf.fp8 import LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE, LM_HEAD_X_SCALE, fp8_lm_head_loss, quantize_lm_head
+from tests.model.test_model_loss import fp8_head_case
 from tools.gpu_check import ulp_distance
 
 pytestmark = pytest.mark.triton
@@ -568,18 +569,10 @@ def test_fp8_lm_head_loss_with_gathered_z_matches_float64_reference(triton, samp
     """fp8_lm_head_loss with gather_cols (positions in the candidate set when sampled, as the
     targets): loss, lse, zg, and dx, dW of g·loss + Σ g_lse·lse + Σ g_zg·zg against float64 autograd
     of the definition on the same fp8-rounded operands, within the e5m2 tolerance of the plain loss's test."""
-    gen = torch.Generator().manual_seed(3)
-    T, D, V = 16, 32, 64
-    x = (2 * torch.randn(T, D, generator=gen)).bfloat16().requires_grad_()
-    w = (0.5 * torch.randn(D, V, generator=gen)).bfloat16().requires_grad_()
-    cols = torch.tensor([2, 3, 5, 8, 13, 17, 21, 34, 40, 55, 63]) if sampled else None
-    N = V if cols is None else cols.numel()
-    targets = torch.randint(0, N, (T,), generator=gen)
-    targets[4] = -100  # skipped
-    prefix = torch.randint(-1, N, (T,), generator=gen)
+    x, w, cols, N, targets, prefix, mtp = fp8_head_case(sampled)  # the plain fp8 loss test's inputs
+    T, V = x.shape[0], w.shape[1]
     gather = _gather_cols(T, N, targets)
     gather[:, 1] = N - 1  # CPLM's <copy>: one fixed column on every row (sampled: its position in C)
-    mtp = (1.0, 0.5, 0.25)
     grads = _gather_grads(T, "lsz", 2.0)
     with use_backend(triton=triton):
         loss, lse, zg = fp8_lm_head_loss(x, w, targets, mtp, prefix, 0.3, cols, gather)
