@@ -31,6 +31,11 @@ if (SHARED_DIR / "tiktoken_cache").is_dir():
 # they model what a GPU would still be copying, and stop at a wait left out or a buffer reused early.
 os.environ.setdefault("SPEEDRUN_STREAM_CHECK", "1")
 
+# One intra-op thread in every process a test starts, as in the tests themselves (`single_thread` below)
+# and as torchrun gives each rank: a subprocess left to use both cores beside the other pytest worker
+# oversubscribes CI's two (tools/gpu_check.py's dry run: 50 s alone, 177 s in CI on 2026-12-06).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Without a GPU, Triton kernels can only run in Triton's interpreter, and @triton.jit reads this
 # variable when a kernel is defined, so it is set before any test imports a kernel module. It only
 # makes kernels runnable: whether the model calls them is perf.backend's choice (portable on CPU).
@@ -56,7 +61,7 @@ def single_thread():
 # `.ci/run`'s --durations summed per file, the long subprocess runs of tests/long_runs.py included).
 # A stale order costs only time; a file that no longer exists stops the session.
 LONGEST_FILES_FIRST = (   # seconds per file, fresh clone of e109c7e, 2 workers, load 4-6 (2026-12-03)
-    "tests/run/test_run_smoke.py",                          # 760: the 2-rank smoke acceptance run, 70 steps
+    "tests/run/test_run_smoke.py",                          # 760: the smoke acceptance run, 70 steps (then 2 ranks)
     "tests/tools/test_tools_cross_compile.py",              # 605: SM90 and L40S cross-compiles
     "tests/run/test_run_train.py",                          # 320
     "tests/model/test_model_compile_record.py",             # 272: the record shapes traced

@@ -86,8 +86,9 @@ def test_the_proposals_compile_capture_and_never_sync():
     head = lines[first:next(i for i, line in enumerate(lines) if line.startswith("[schedule] stage ends"))]
     assert head[1].startswith("proposal doc_copy: PR #378 (on PR #375), DocCopy") and \
         "features on: token_norm_hashes, doc_copy" in head[1]
+    assert head[2] == "config overrides: --set features.cplm=true --set features.approx_lm_head_grad=true", head
     assert re.match(r"features: token_norm_hashes on \(.*\), doc_copy on \(.*\), cplm on \(.*\), "
-                    r"approx_lm_head_grad on \(", head[2]), head
+                    r"approx_lm_head_grad on \(", head[3]), head
     assert ("token_norm: 32,980 classes over GPT-2's 50,257 ids, 17,277 remapped, sha256 79fb57ac259495ba36f1afb9b0"
             "d5da35f3048b5067fa59c101d5a3c1ed15c2a2") in "\n".join(head)
     log = "\n".join(lines[first:])

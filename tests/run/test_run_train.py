@@ -417,26 +417,3 @@ def test_the_progress_bar_stays_out_of_a_record_runs_console():
     assert train_gpt.shows_progress_bar(RUN_PRESETS["recipe"], Rank0())  # one GPU, minutes: not a record
     assert train_gpt.shows_progress_bar(RUN_PRESETS["smoke"], Rank0())
     assert not train_gpt.shows_progress_bar(RUN_PRESETS["smoke"], Rank1())
-
-
-@pytest.mark.slow
-def test_a_compiled_warmup_names_each_graph_it_compiles(tmp_path, shards):
-    """SPEEDRUN_COMPILE=1 with aot_eager: one progress line per graph compiled in the warmup (n of
-    the plan's N), and as many lines as dynamo's own count of the warmup's graphs."""
-    from perf import backend as perf_backend
-
-    torch._dynamo.reset()
-    try:
-        with perf_backend.use_backend(compile=True, compile_backend="aot_eager", host_checks=False):
-            train_gpt.main(["--config", "smoke", "--records-dir", str(tmp_path), "--data-path", str(shards),
-                            "--max-steps", "2", "--val-every", "0", "--val-tokens", "2048", "--seed", "0"])
-    finally:
-        torch._dynamo.reset()
-    (entry,) = _runs(tmp_path)
-    log = open(entry["log_path"]).read()
-    lines = re.findall(r"^warmup: compiled (.+) (\d+)/(\d+)( \(\d+ graphs\))? in \d+\.\d s$", log, re.M)
-    warmup_graphs = int(re.search(r"^compiled graphs: warmup (\d+), timed 0$", log, re.M)[1])
-    assert len(lines) == warmup_graphs == 2, log[-3000:]  # the first geometry's step, the final validation
-    assert [(n, total, more) for _, n, total, more in lines] == [("1", "2", ""), ("2", "2", "")]
-    assert lines[0][0].startswith("forward_backward (") and lines[0][0].endswith(" at step 0")
-    assert lines[1][0].startswith("final validation (")
