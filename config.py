@@ -391,6 +391,21 @@ FEATURES: tuple[Feature, ...] = (
         gain="−0.759 s claimed for both parts together (39.583 ± 0.266 vs 40.342 ± 0.184 s, 12 + 6 runs), same "
              "1194 steps; no per-part ablation published",
         default=False, requires=("fp8", "sampled_softmax")),
+    # PR #371 part 2: five short-window layers' attention backward keeps, per head, only the key tiles
+    # within a window chosen from two steps' exact gradients (model/attention_calibration.py); the forward,
+    # its output and LSE, are the record's
+    Feature(
+        "approx_attention_backward",
+        removes="per-head shortened attention backwards on layers 0, 1, 2, 5, 8 (calibrated twice, then kept)",
+        removes_in_full="on two steps of stage 1 (record: 592, 593) the exact attention gradients of layers 0, 1, 2, "
+                        "5, 8 are snapshotted (first 8192 rows) and each head is given the cheapest window of 64, 128 "
+                        "or 256 whose relative dQ/dK/dV error is at most 0.2 on every rank (else full); from the "
+                        "next step to the taper (record: 594-1106) those heads' backwards skip the pairs further "
+                        "apart, without renormalizing; the last stages are exact",
+        introduced_by="PR #371 (open; part 2 of 2)",
+        gain="−0.759 s claimed for both parts together (39.583 ± 0.266 vs 40.342 ± 0.184 s, 12 + 6 runs), same "
+             "1194 steps; no per-part ablation published",
+        default=False),
 )
 
 
@@ -587,6 +602,11 @@ PROPOSALS = {
     "cplm": Proposal(
         "cplm", "PR #379", "CPLM: a copy pointer mixed into the next-token loss", ("cplm",), 978,
         "36.009 ± 0.039 s (8 runs) vs 40.575 ± 0.024 s for #360 (13 runs, same node), val 3.2769 ± 0.0016"),
+    # PR #371 (frontier_approx_backward.md §1): the record's schedule, 1194 steps (base 1122), both parts on
+    "approx_backward": Proposal(
+        "approx_backward", "PR #371", "ApproximateBackward: a sampled lm_head dW and shortened attention backwards",
+        ("approx_lm_head_grad", "approx_attention_backward"), 1122,
+        "39.583 ± 0.266 s (12 runs) vs 40.342 ± 0.184 s for #360 (6 runs, same node), val 3.278705"),
 }
 
 

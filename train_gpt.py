@@ -388,6 +388,9 @@ def run_one(cfg: RunConfig, args: argparse.Namespace) -> None:
                     check_finite(step, {"training loss (main + MTP + prefix terms)": train_loss})
                     loss_watch.add_point(step, step_ms, train_loss)  # its line and curve point
                     rec.record.train_losses = [*(rec.record.train_losses or []), train_loss]  # to the bit
+                for line in run.calibration_lines:  # PR #371's chosen attention windows, once (after its step 593)
+                    log.print0(line, console=True)
+                run.calibration_lines = []
                 if (step + 1) % PRINT_EVERY == 0 or step >= n - 2 or step + 1 == steps:
                     elapsed = train_ms + 1000 * (time.perf_counter() - t0)
                     log.print0(format_step_line(step + 1, n, elapsed, cost.tokens_per_s(step + 1, elapsed),

@@ -29,6 +29,7 @@ from perf.attention_backends import varlen_attention
 from perf.backend import current
 from perf.fp8 import fp8_qkv
 from perf.kernels.qkv_rope import fp8_qkv_rope, normed_rotary_qk
+from perf.windowed_backward import AttentionSnapshot, restricted_backward_attention, snapshot_attention
 
 XSA_EPS = 1e-8  # record #360: floor of ‖v‖² in the XSA projection
 
@@ -47,6 +48,12 @@ class AttnArgs:
     o_gain: Tensor | None = None  # 0-D: the layer's attention post-λ, folded into the O weight
     fp8: bool = False  # training: the packed fp8 QKV projection (sa0 in its dequant scale)
     max_seqlen: int | None = None  # longest attention segment (FA3 needs it as a constant under compile)
+    # PR #371 part 2 (model/attention_calibration.py): 0 the stock backward; 1 calibration (the stock
+    # backward, the first rows snapshotted into `snapshot`); 2 the backward restricted per head by
+    # `head_windows` (int32 [FA3 heads], −1 = full, read on the device)
+    backward_mode: int = 0
+    head_windows: Tensor | None = None
+    snapshot: AttentionSnapshot | None = None
 
 
 def scaled_weight(c: Tensor, w: Tensor) -> Tensor:
@@ -83,8 +90,15 @@ class CausalSelfAttention(torch.nn.Module):
             v = v.view(T, H, dv)
         if args.aux_v is not None:
             v = v + args.aux_v.view(T, H, self.head_dim)[..., :dv]
-        y = varlen_attention(q, k, v, args.cu_seqlens, args.window, args.yarn.attn_scale,
-                             paired=self.paired, max_seqlen=args.max_seqlen)  # (T, H, dv)
+        if args.backward_mode == 2:
+            y = restricted_backward_attention(q, k, v, args.cu_seqlens, args.window, args.yarn.attn_scale,
+                                              args.head_windows, paired=self.paired)  # (T, H, dv)
+        elif args.backward_mode == 1:
+            y = snapshot_attention(q, k, v, args.cu_seqlens, args.window, args.yarn.attn_scale, args.snapshot,
+                                   paired=self.paired, max_seqlen=args.max_seqlen)  # (T, H, dv)
+        else:
+            y = varlen_attention(q, k, v, args.cu_seqlens, args.window, args.yarn.attn_scale,
+                                 paired=self.paired, max_seqlen=args.max_seqlen)  # (T, H, dv)
         if args.xsa_alpha is not None:  # remove a learned share of y along the token's own value
             coef = (y * v).sum(-1, keepdim=True) / (v * v).sum(-1, keepdim=True).clamp_min(XSA_EPS)
             y = y - torch.tanh(args.xsa_alpha.to(y.dtype))[..., None] * coef * v

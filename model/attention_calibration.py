@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from perf.windowed_backward import FULL_WINDOW_CODE, windowed_attention_backward
+from perf.windowed_backward import (FULL_WINDOW_CODE, AttentionSnapshot, varlen_attention_lse,
+                                    windowed_attention_backward, windowed_attention_backward_fast)
 
 # PR #371 (approx_backward/, records/track_1_short/2026-09-24_ApproximateBackward/source/approx_backward/
 # attention.py; hard-wired there, frontier_approx_backward.md §2, §6)
@@ -69,6 +70,20 @@ ELIGIBLE_LAYERS: dict[int, EligibleLayer] = {
     5: EligibleLayer(heads=3, block_m=64, paired=True),
     8: EligibleLayer(heads=6, block_m=128, paired=False),
 }
+
+
+# PR #371's certify run 01 (frontier_approx_backward.md §4.3, "typical outcome"): the codes per FA3 head
+# (−1 = full). The cost model prices the restricted steps at these (runtime/op_count.py): a stated
+# assumption, since a run's own are known only after its step 593
+PR_371_RUN_01_WINDOWS = {0: (128, 64, 256), 1: (-1, -1, 128, 128, -1, 256), 2: (64, 64, 256),
+                         5: (64, 256, 128), 8: (256, 256, -1, 256, -1, 128)}
+
+
+def eligible_layers(num_heads: int) -> dict[int, EligibleLayer]:
+    """ELIGIBLE_LAYERS for a model of `num_heads` heads per layer (record #360: 6; the smoke preset's too):
+    FA3 heads num_heads / 2 on the paired layers, num_heads on the others; tiles as the record's."""
+    return {layer: EligibleLayer(num_heads // 2 if spec.paired else num_heads, spec.block_m, spec.paired)
+            for layer, spec in ELIGIBLE_LAYERS.items()}
 
 
 def attention_backward_mode(step: int, enabled: bool = True) -> int:
@@ -157,10 +172,13 @@ class CalibrationState:
 
     def __init__(self, layers: Mapping[int, EligibleLayer] = ELIGIBLE_LAYERS,
                  candidates: Sequence[int] = CANDIDATE_WINDOWS, threshold: float = ERROR_THRESHOLD,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", limit: int = PREFIX_LIMIT):
         if list(candidates) != sorted(set(candidates)):
             raise ValueError(f"CalibrationState: candidates must be distinct and ascending, got {candidates}")
         self.layers, self.candidates, self.threshold = dict(layers), tuple(candidates), threshold
+        self.limit = limit
+        # what the mode-1 forward and backward leave per layer (perf/windowed_backward.py snapshot_attention)
+        self.snapshots = {layer: AttentionSnapshot(limit) for layer in self.layers}
         W = len(self.candidates)
         sizes = [W * len(GRADIENTS) * spec.heads for spec in self.layers.values()]
         # [errors of every layer | one measured flag per layer]: MAX-reduced together
@@ -186,6 +204,22 @@ class CalibrationState:
         self.windows.clear()
         for ends in self.ends.values():
             ends.clear()
+        for snapshot in self.snapshots.values():
+            snapshot.clear()
+
+    def measure_snapshots(self, backward: Backward = windowed_attention_backward_fast) -> None:
+        """After a mode-1 backward: measure every layer's snapshot (`measure`), then drop it. The LSE is
+        recomputed over the snapshot's rows (`varlen_attention_lse`): a row's keys all lie before it, so
+        the prefix's LSE is the batch's. Reads cu_seqlens on the host (a sync: steps 592-593 only)."""
+        for layer, snapshot in self.snapshots.items():
+            if not snapshot.complete:
+                raise RuntimeError(f"CalibrationState.measure_snapshots: layer {layer}'s snapshot is incomplete "
+                                   f"(its mode-1 forward or backward did not run)")
+            lse = varlen_attention_lse(snapshot.q, snapshot.k, snapshot.cu_seqlens, snapshot.scale, snapshot.window)
+            cu_host = [int(c) for c in snapshot.cu_seqlens]  # (int() per entry: a read the CPU sync check sees too)
+            self.measure(layer, snapshot.q, snapshot.k, snapshot.v, snapshot.out, lse, snapshot.d_out,
+                         cu_host, snapshot.scale, snapshot.window, backward, self.limit)
+            snapshot.clear()
 
     def record(self, layer: int, errors: Tensor | None, end: int, window: int) -> None:
         """Fold one step's [W, 3, H] errors into the layer's running max. end = 0 (errors None): an empty
@@ -235,6 +269,21 @@ class CalibrationState:
                                    block_m=spec.block_m, threshold=self.threshold)
             codes = torch.where(self._measured[layer] > 0, codes, FULL_WINDOW_CODE)
             self.tables[layer].copy_(codes)
+
+    def log_lines(self, ranks: int) -> list[str]:
+        """The log's lines after the choice: one per layer, its windows per head (full = the launch
+        window), the error E of each chosen window with the gradient that binds it, the prefix rows."""
+        record = self.log_record()
+        lines = [f"attention backward (PR #371): windows chosen from {len(next(iter(self.ends.values())))} "
+                 f"snapshot(s) per layer on this process (calibration steps × the ranks it plays), the largest "
+                 f"relative dQ/dK/dV error over {ranks} rank(s) at most {self.threshold}"]
+        for layer, entry in record["layers"].items():
+            windows = ", ".join("full" if w < 0 else str(w) for w in entry["windows"])
+            errors = ", ".join("-" if b is None else f"{e:.3f} {b}" for e, b in zip(entry["errors"], entry["binding"]))
+            lines.append(f"attention backward: layer {layer} (W {entry['window']}): windows {windows}; "
+                         f"errors {errors}; prefix rows {entry['ends']}"
+                         + ("" if entry["measured"] else " (no complete document in any rank's prefix: full)"))
+        return lines
 
     def log_record(self) -> dict:
         """A JSON-able record for the run's log (reads the device: after `finish`, on steps 592-593 only).

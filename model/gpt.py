@@ -127,6 +127,10 @@ class StepArgs:
     logits: bool = False  # validation only: return the softcapped logits fp32, not the mean loss (evaluate.py)
     logits_from: int = 0  # with logits: rows logits_from.. only, [T − logits_from, V] (the rows the caller reads)
     head_sample: object | None = None  # PR #371: the sampled lm_head dW's counter (perf/sampled_head_grad.py HeadSample)
+    # PR #371 part 2: the attention backward's mode (0, 1 calibration, 2 restricted; static) and, in modes 1
+    # and 2, the layers' head tables and snapshots (model/attention_calibration.py CalibrationState)
+    attention_mode: int = 0
+    attention_calibration: object | None = None
 
     @property
     def prefix_on(self) -> bool:
@@ -424,6 +428,10 @@ class GPT(nn.Module):
                     yarn=self.yarn_wide if long else (self.yarn_paired if i in PAIRED_HEAD_LAYERS else self.yarn),
                     key_offset=long, attn_gate=attn_gate.get(i), aux_v=aux_v, xsa_alpha=xsa.get(i),
                     o_gain=p_attn[i] if fold_o_gain else None, fp8=use_fp8, max_seqlen=step.max_seq_len)
+                if step.attention_mode and i in step.attention_calibration.tables:  # PR #371's five layers
+                    calibration = step.attention_calibration
+                    args.backward_mode, args.head_windows = step.attention_mode, calibration.tables[i]
+                    args.snapshot = calibration.snapshots[i] if step.attention_mode == 1 else None
                 out = self.attn[str(i)](a, *attn_w[i], args)  # (T, D)
                 if i == MUDD_LAYER:
                     x = mu[8] * x + mu[9] * out + mu[10] * cache[0]

@@ -26,6 +26,10 @@ import torch
 
 from config import SCHEDULE_PRESETS, ConfigError, FeatureConfig, ScheduleConfig, StageConfig
 
+# PR #371 calibrates on steps 592-593 of record #360's stage 1 [320, 681) (hard-wired there): its place in
+# the stage, so a schedule of other length (smoke, a proposal's base steps) calibrates at the same point
+CALIBRATION_FRACTION = (592 - 320) / (681 - 320)
+
 
 @dataclass(frozen=True)
 class StageSpan:
@@ -56,15 +60,16 @@ class StepSettings:
     table_event: bool      # the n-gram table and value embeddings update
     table_period4: bool    # their events every 4th step (squared betas, doubled decay)
     head_sample: bool = False  # PR #371: the lm_head's dW sampled (features.approx_lm_head_grad)
+    attention_mode: int = 0  # PR #371: 0 exact, 1 calibration, 2 restricted (features.approx_attention_backward)
 
     @property
     def geometry(self) -> tuple:
         """What the compiled forward specializes on: tokens, doc cap (max segment), sampled-softmax
         width, MTP count, whether the prefix term exists, the windows (YaRN tables and scales
-        change with them) and whether the lm_head's dW is sampled (PR #371; it switches with a stage). Steps
-        with equal geometry share one compiled graph."""
+        change with them), whether the lm_head's dW is sampled and the attention backward's mode (PR #371).
+        Steps with equal geometry share one compiled graph."""
         return (self.batch_tokens, self.doc_cap, self.softmax_p, len(self.mtp_weights), self.prefix_weight != 0,
-                self.ws_short, self.ws_long, self.head_sample)
+                self.ws_short, self.ws_long, self.head_sample, self.attention_mode)
 
 
 class TrainingSchedule:
@@ -202,6 +207,23 @@ class TrainingSchedule:
         return (self.features.approx_lm_head_grad and self.softmax_p(step) > 0 and len(self.cfg.stages) > 1
                 and self.batch_tokens(step) >= self.cfg.stages[1].batch_tokens)
 
+    def calibration_step(self) -> int:
+        """The first of PR #371's two calibration steps: where its step 592 sits in record #360's stage 1
+        [320, 681), at the same fraction of this schedule's stage 1 (record: 592; smoke: 31)."""
+        start, end = self.stage_ends[1], self.stage_ends[2]
+        return start + round(CALIBRATION_FRACTION * (end - start))
+
+    def attention_mode(self, step: int) -> int:
+        """PR #371's attention backward mode (features.approx_attention_backward): 1 on the two calibration
+        steps (the exact backward, measured), 2 from the next step to the taper's first step, exclusive (the
+        restricted backward; record: 594-1106), else 0 (the stock backward; the last stages are exact)."""
+        if not self.features.approx_attention_backward or len(self.cfg.stages) < 4:
+            return 0
+        first = self.calibration_step()
+        if first <= step <= first + 1:
+            return 1
+        return 2 if first + 2 <= step < self.stage_ends[-3] else 0
+
     def batch_tokens(self, step: int) -> int:
         """Global tokens per step (all ranks together)."""
         return self.span(step).stage.batch_tokens
@@ -237,7 +259,8 @@ class TrainingSchedule:
                             ws_short=ws_short, ws_long=ws_long, mtp_weights=self.mtp_weights(step),
                             prefix_weight=self.prefix_weight(step), softmax_p=self.softmax_p(step),
                             adam_step=self.is_adam_step(step), table_event=self.is_table_event(step),
-                            table_period4=self.table_period4(step), head_sample=self.head_sample(step))
+                            table_period4=self.table_period4(step), head_sample=self.head_sample(step),
+                            attention_mode=self.attention_mode(step))
 
 
 class StepWeights:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from perf.attention_backends import _stream_layout, sdpa_varlen_attention, segment_ids
+from perf.attention_backends import _stream_layout, sdpa_varlen_attention, segment_ids, varlen_attention
 from perf.backend import current
 from perf.kernels.windowed_backward import check_backward_inputs, check_layout, windowed_attention_backward_triton
 
@@ -194,3 +194,70 @@ def windowed_attention_backward_fast(q: Tensor, k: Tensor, v: Tensor, out: Tenso
         return windowed_attention_backward_triton(q, k, v, out, lse, d_out, cu_seqlens, scale, window,
                                                   head_windows, chunk)
     return windowed_attention_backward(q, k, v, out, lse, d_out, cu_seqlens, scale, window, head_windows, chunk)
+
+
+# ---- the two modes as the model calls them (PR #371 §4.2) ------------------------------------------------
+
+
+def restricted_backward_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
+                                  softmax_scale: float, head_windows: Tensor, paired: bool = False) -> Tensor:
+    """Mode 2: `varlen_attention` on the portable attention (its output bitwise) with the restricted
+    backward reading `head_windows` (`windowed_backward_attention`). The FA3 path (its forward handing over
+    the LSE, the Triton backward, one opaque op under compile) is not wired yet: a run on it stops here
+    rather than run another backward than the one asked for (runtime/training.py refuses it first)."""
+    if current().attention != "sdpa":
+        raise RuntimeError(f"features.approx_attention_backward: the restricted backward runs on the portable "
+                           f"attention (sdpa) only; this backend's attention is {current().attention!r}")
+    return windowed_backward_attention(q, k, v, cu_seqlens, window, softmax_scale, head_windows, paired)
+
+
+class AttentionSnapshot:
+    """Mode 1 (PR #371's two calibration steps): one layer's first `limit` stream rows of q, k, v, the
+    output and dO, the batch's stream cu_seqlens, and the window and scale, as `snapshot_attention` took
+    them. Plain tensors kept by reference: mode-1 steps run eagerly (runtime/training.py), never captured,
+    so nothing needs a persistent buffer (the PR's graphs baked its buffers' addresses)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.clear()
+
+    def clear(self) -> None:
+        self.q = self.k = self.v = self.out = self.d_out = self.cu_seqlens = None
+        self.window, self.scale = 0, 0.0
+
+    @property
+    def complete(self) -> bool:
+        """The forward and its backward both came through since the last `clear`."""
+        return self.d_out is not None
+
+
+class _KeepOutputGradient(torch.autograd.Function):
+    """Identity whose backward keeps the first rows of the incoming gradient (dO) in a snapshot."""
+
+    @staticmethod
+    def forward(ctx, y, snapshot: AttentionSnapshot, stream_shape: tuple, rows: int):
+        ctx.snapshot, ctx.stream_shape, ctx.rows = snapshot, stream_shape, rows
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.snapshot.d_out = grad.reshape(ctx.stream_shape)[:ctx.rows].detach().clone()
+        return grad, None, None, None
+
+
+def snapshot_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, softmax_scale: float,
+                       snapshot: AttentionSnapshot, paired: bool = False, max_seqlen: int | None = None) -> Tensor:
+    """Mode 1: `varlen_attention` on the current backend with its own backward (mode 0's gradients, bit for
+    bit), and the snapshot taken: q, k, v and the output now, dO when the backward passes. Eager only (a
+    graph would run the copies once, at capture)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("snapshot_attention (PR #371's calibration steps) runs eagerly, outside torch.compile")
+    y = varlen_attention(q, k, v, cu_seqlens, window, softmax_scale, paired=paired, max_seqlen=max_seqlen)
+    qs, ks, vs, cus = _stream_layout(q, k, v, cu_seqlens, paired)  # (n, H', d): FA3's rows and heads
+    stream_shape = (qs.shape[0], qs.shape[1], vs.shape[-1])
+    rows = min(snapshot.limit, qs.shape[0])
+    snapshot.clear()
+    snapshot.q, snapshot.k, snapshot.v = (t[:rows].detach().clone() for t in (qs, ks, vs))
+    snapshot.out = y.detach().reshape(stream_shape)[:rows].clone()
+    snapshot.cu_seqlens, snapshot.window, snapshot.scale = cus.detach().clone(), window, softmax_scale
+    return _KeepOutputGradient.apply(y, snapshot, stream_shape, rows)

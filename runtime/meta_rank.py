@@ -236,7 +236,9 @@ def meta_step(rank: RankOnMeta, settings: StepSettings, steps: list[int]) -> Met
         ([candidates] if candidates is not None else [])
     args = StepArgs(ws_short=settings.ws_short, ws_long=settings.ws_long, mtp_weights=mtp,
                     prefix_weight=prefix, candidates=candidates, training=True, max_seq_len=batch.max_seq_len,
-                    head_sample=rank.run.head_sample if settings.head_sample else None)
+                    head_sample=rank.run.head_sample if settings.head_sample else None,
+                    attention_mode=settings.attention_mode,
+                    attention_calibration=rank.run.calibration if settings.attention_mode else None)
     return MetaStep(host, batch, inputs, args, T, rows)
 
 

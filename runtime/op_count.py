@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from config import RunConfig
+from model.attention_calibration import PR_371_RUN_01_WINDOWS
 from runtime.meta_rank import PORTABLE_BACKEND, build_rank_on_meta, each_with_progress, geometries, meta_step, storage_key
 from runtime.throughput import GEMM_KINDS, DevicePeak
 
@@ -325,6 +326,28 @@ class CountedAttention:
         return _AttentionShapes.apply(q, k, v, self.counter, flops)
 
 
+class CountedRestrictedAttention:
+    """`perf.windowed_backward.restricted_backward_attention`'s signature (PR #371's mode 2): the forward
+    FA3's full-window work; the backward each FA3 head's pairs within its own window w_h = min(code, W)
+    (W for a code −1), 2·(3·d_qk + 2·d_v) FLOPs per pair, its recompute 2·d_qk per pair. The codes come
+    from `codes[layer]`, the layers' tables found by identity (meta tables hold no values)."""
+
+    def __init__(self, counter: FlopCounter, host_cu_seqlens, tables: dict, codes: dict):
+        self.counter, self.cu = counter, host_cu_seqlens
+        self.layer_of = {id(table): layer for layer, table in tables.items()}
+        self.codes = codes
+
+    def __call__(self, q, k, v, cu_seqlens, window, softmax_scale, head_windows, paired=False):
+        forward, _ = attention_flops(self.cu, window, q.shape[1], q.shape[2], v.shape[2], paired)
+        cu = [2 * int(c) for c in self.cu] if paired else [int(c) for c in self.cu]
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        codes = self.codes[self.layer_of[id(head_windows)]]
+        pairs = sum(attention_pairs(lengths, window if c < 0 else min(c, window)) for c in codes)
+        d_qk, d_v = q.shape[2], v.shape[2]
+        return _AttentionShapes.apply(q, k, v, self.counter,
+                                      (forward, 2 * pairs * (3 * d_qk + 2 * d_v), 2 * pairs * d_qk))
+
+
 class _AttentionShapes(torch.autograd.Function):
     """FA3's work and traffic: the forward reads q, k, v and writes the output and an fp32 lse per
     head and position; the backward reads those and the output's gradient and writes dq, dk, dv."""
@@ -333,7 +356,9 @@ class _AttentionShapes(torch.autograd.Function):
     def forward(ctx, q, k, v, counter, flops):
         # FA3's backward recomputes QKᵀ: 2·d_qk per pair beyond the 2× forward of a plain backward,
         # hardware work (in the floor) and not model work (out of MFU)
-        ctx.counter, ctx.backward_flops, ctx.recompute = counter, flops[1], flops[1] - 2 * flops[0]
+        # (a third entry: the recompute of a backward that visits fewer pairs than its forward, PR #371 part 2)
+        ctx.counter, ctx.backward_flops = counter, flops[1]
+        ctx.recompute = flops[2] if len(flops) > 2 else flops[1] - 2 * flops[0]
         out = v.new_empty((*q.shape[:-1], v.shape[-1]))  # (T, H, d_v)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # (T, H)
         counter.external("attention", flops[0], (q, k, v), (out, lse))
@@ -528,14 +553,21 @@ def geometry_cost(rank, settings, steps) -> GeometryCost:
     from perf.backend import use_backend
 
     cfg, D = rank.cfg, rank.cfg.model.model_dim
+    if settings.attention_mode == 1:  # PR #371's two calibration steps: priced as the stock step (their eager
+        settings = dataclasses.replace(settings, attention_mode=0)  # measurement is not counted)
     step = meta_step(rank, settings, steps)
     counter = FlopCounter()
     attention = CountedAttention(counter, step.host_batch.cu_seqlens.tolist())
     matcher = FlopCounter()  # DocCopy's matcher alone: its ops reach `counter` too (the modes nest)
     pointer = {part: collections.Counter() for part in ("tiles", "flops", "bytes")}  # CPLM's kernels alone
+    # PR #371's mode 2 at the windows its certify run 01 chose (the tables' values are the run's own)
+    calibration = rank.run.calibration
+    restricted = mock.patch.object(model_attention, "restricted_backward_attention", CountedRestrictedAttention(
+        counter, attention.cu, calibration.tables, PR_371_RUN_01_WINDOWS)) if calibration is not None \
+        else contextlib.nullcontext()
     with torch.device("meta"), use_backend(**PORTABLE_BACKEND), \
             mock.patch.object(model_attention, "varlen_attention", attention), fused_kernels(counter), counter, \
-            counted_matcher(matcher), pointer_kernels(counter, attention.cu, pointer):
+            counted_matcher(matcher), pointer_kernels(counter, attention.cu, pointer), restricted:
         loss = step.forward(rank.model)
         loss.backward()
     rank.model.zero_grad(set_to_none=True)

@@ -150,3 +150,20 @@ def host_side():
     finally:
         for mode in _active:
             mode.suspended -= 1
+
+
+@contextlib.contextmanager
+def permitted_sync():
+    """Host reads the run makes on purpose at a named point of a checked step, and only there: PR #371's
+    calibration (steps 592-593; model/attention_calibration.py) reads cu_seqlens and its errors. CPU: the
+    check steps aside (as `host_side`); CUDA: the sync debug mode is off for the duration, then back."""
+    cuda_modes = []
+    if torch.cuda.is_available() and torch.cuda.get_sync_debug_mode() != 0:
+        cuda_modes.append(torch.cuda.get_sync_debug_mode())
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        with host_side():
+            yield
+    finally:
+        if cuda_modes:
+            torch.cuda.set_sync_debug_mode(cuda_modes[0])

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from config import ConfigError, RunConfig
 from data.loader import NO_NGRAM, dummy_batch, val_batches
 from data.ngram import ngram_hash_sizes
+from model.attention_calibration import CalibrationState, eligible_layers
 from model.embeddings import NgramTable, ngram_shard_range
 from model.cplm import COPY_TOKEN_ID, diagnostics_line
 from model.gpt import GPT, StepArgs
@@ -42,7 +43,7 @@ from runtime.collective_order import CollectiveRecorder
 from perf.compile import compile_model, compiled_graphs
 from perf.cuda_graphs.capture import RegionGraphs
 from perf.cuda_graphs.state import run_state
-from runtime.sync_check import host_side
+from runtime.sync_check import host_side, permitted_sync
 from perf import streams
 from perf.host_table import HostRows, choose_placement
 from perf.pinned_batches import PinnedBatchRing
@@ -178,6 +179,19 @@ class Run:
             if self.lanes is not None:
                 self.lanes.seed(self.head_sample.counter, [torch.full((), r, dtype=torch.int64, device=setup.device)
                                                            for r in setup.virtual_ranks])
+        # PR #371 part 2: the five layers' head tables (−1 = full until the calibration writes them in place)
+        # and their calibration; mode-1 steps run eagerly and measure after their backward
+        self.calibration = None
+        self.calibration_lines: list[str] = []  # the choice, for the log (train_gpt.py prints them)
+        self.warming_up = False
+        if features.approx_attention_backward:
+            if setup.backend.attention != "sdpa":
+                raise ConfigError(f"--set features.approx_attention_backward=true (PR #371 part 2) runs its restricted "
+                                  f"backward on the portable attention only (SPEEDRUN_ATTENTION=sdpa); this run's is "
+                                  f"{setup.backend.attention!r}: FA3's forward with its LSE and the Triton windowed "
+                                  f"backward are not wired into one op yet")
+            self.calibration = CalibrationState(eligible_layers(cfg.model.num_heads),
+                                                device=setup.device)
         # the post-warmup reset's snapshot of the weights, off the device for the whole run: pinned
         # host memory on CUDA (copied back non-blocking; the clock starts after a synchronize), a
         # plain host copy otherwise. Tensors only: the YaRN scales (extra state) reset by reset_rotary.
@@ -336,11 +350,20 @@ class Run:
                 self.prefetch(step, next_batches)
             args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp_weights,
                             prefix_weight=prefix_weight, candidates=candidates, training=True,
-                            max_seq_len=batch.max_seq_len, head_sample=self.head_sample if s.head_sample else None)
+                            max_seq_len=batch.max_seq_len, head_sample=self.head_sample if s.head_sample else None,
+                            attention_mode=s.attention_mode,
+                            attention_calibration=self.calibration if s.attention_mode else None)
             if self.lanes is not None:
                 self.lanes.load(lane)  # virtual rank `lane`'s own gradients and fp8 scales
-            total += self.run_region("forward_backward", s.geometry, lambda: self.forward_backward(batch, rows, args))
+            if s.attention_mode == 1:  # PR #371's calibration step: eager, measured after its backward
+                total += self.calibration_forward_backward(batch, rows, args)
+            else:
+                total += self.run_region("forward_backward", s.geometry, lambda: self.forward_backward(batch, rows, args))
             self.keep_gradients(s, lane, plan, rows)
+        if s.attention_mode == 1 and not self.warming_up and step == self.schedule.calibration_step() + 1:
+            with permitted_sync():  # one all-reduce MAX, the tables written in place, the choice read for the log
+                self.calibration.finish()
+                self.calibration_lines = self.calibration.log_lines(self.cfg.virtual_world_size)
         if self.prefetched is not None:
             # the prefetch's exchange is done before the optimizer graph, whose captured
             # collectives would otherwise share the communicator with it unordered (on CUDA: a
@@ -380,6 +403,18 @@ class Run:
         processes, then over this process's virtual ranks)."""
         loss = self.forward(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
         loss.backward()
+        return loss.detach()
+
+    def calibration_forward_backward(self, batch, rows, args: StepArgs) -> torch.Tensor:
+        """A mode-1 step of PR #371 (its two calibration steps): the uncompiled model, outside any CUDA
+        graph (its snapshots are host-side Python state), the stock backward, then every eligible layer's
+        snapshot measured (host reads: permitted here, on these two steps only). The warmup runs the step
+        but measures nothing."""
+        loss = self.model(batch.inputs, batch.targets, batch.cu_seqlens, rows, batch.ngram_sign_rows, args)
+        loss.backward()
+        if not self.warming_up:
+            with permitted_sync():
+                self.calibration.measure_snapshots()
         return loss.detach()
 
     def keep_gradients(self, s, lane: int, plan, rows) -> None:
@@ -444,8 +479,9 @@ class Run:
     def region_keys(self, step: int) -> list[tuple[str, object]]:
         """The (region, key)s a run meets at `step` from step 0: what the warmup must capture (the
         fp8 refresh of a step's update runs at the next `flush`, once per step all the same)."""
-        keys = [("forward_backward", self.schedule.settings(step).geometry),
-                ("optimizer", self.manager.phase_at(step))]
+        settings = self.schedule.settings(step)
+        keys = [("forward_backward", settings.geometry)] if settings.attention_mode != 1 else []  # mode 1: eager
+        keys.append(("optimizer", self.manager.phase_at(step)))
         if self.model.mlp_fp8 is not None:
             keys.append(("fp8_refresh", self.fp8_refreshes_before(step) < FP8_EXACT_SCALE_CALLS))
         return keys
@@ -479,9 +515,10 @@ class Run:
         if self.graphs is not None:
             self.graphs.planned = sum(count >= 2 for count in met.values())
             self.graphs.progress = progress
-        compiles = CompileProgress(
-            (0 if self.graphs is not None else len({schedule.settings(st).geometry for st in steps})) + len(pending) + 1,
-            progress, enabled=self.setup.backend.compile)
+        compiles = CompileProgress(  # (PR #371's calibration steps run the uncompiled model: no graph)
+            (0 if self.graphs is not None else len({schedule.settings(st).geometry for st in steps
+                                                    if schedule.settings(st).attention_mode != 1}))
+            + len(pending) + 1, progress, enabled=self.setup.backend.compile)
         def batches(step: int) -> list:
             tokens = schedule.batch_tokens(step) // cfg.virtual_world_size
             return [dummy_batch(tokens, schedule.doc_cap(step), seed=step, virtual_seq_cap=cfg.schedule.virtual_seq_cap,
@@ -495,6 +532,7 @@ class Run:
         runner = self.region_runner
         if recorder is not None:
             self.region_runner = recorder.runner(runner)
+        self.warming_up = True  # PR #371's calibration measures nothing on dummy data
         try:
             with recorder if recorder is not None else contextlib.nullcontext():
                 following = batches(steps[0]) if steps else None
@@ -525,6 +563,7 @@ class Run:
                     self.validate(self.dummy_val_batches(), schedule.final_windows(), mask)
         finally:
             self.region_runner = runner
+            self.warming_up = False
             if self.graphs is not None:
                 self.graphs.progress = None  # the warmup's log only
         if recorder is not None:  # the gather on the exchange's gloo group (a NCCL run), else the default one
@@ -566,6 +605,9 @@ class Run:
         self.model.refresh_fp8()
         if self.head_sample is not None:
             self.head_sample.reset()  # its first virtual rank's; the others' are their lanes' seeds
+        if self.calibration is not None:
+            self.calibration.reset()  # every head full again, in place (the mode-2 graphs read the tables)
+            self.calibration_lines = []
         if self.lanes is not None:
             self.lanes.reset()  # every virtual rank: zero gradients, the initial fp8 scales
 

@@ -508,6 +508,11 @@ def _run(args) -> int:
         reports = cross_compile_cases(args.function, progress=lambda line: print(line, flush=True))
         return _finish(reports, time.perf_counter() - t0)
     cfg = args.run_config
+    if cfg.features.approx_attention_backward:  # its graphs would compile as the stock backward's: refuse
+        print("tools.cross_compile: features.approx_attention_backward (PR #371 part 2) runs its restricted backward "
+              "on the portable attention only; its FA3 op (the forward's LSE, the Triton windowed backward) is not "
+              "wired, so there is no GPU graph of it to compile", file=sys.stderr)
+        return EXIT_USAGE
     specs = plan_graphs(cfg, args.steps, backward=not args.no_backward, validation=not args.no_validation)
     print(f"cross-compiling {len(specs)} graph(s) of --config {cfg.name}"
           + (f" --proposal {cfg.proposal}" if cfg.proposal else "") + f" --world-size {args.world_size} "

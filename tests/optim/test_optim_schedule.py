@@ -217,3 +217,23 @@ def test_the_sampled_lm_head_gradient_is_on_where_pr_371_samples_it():
     assert [s for s in range(smoke.total_steps) if smoke.head_sample(s)] == list(range(17, 60))
     record = TrainingSchedule(ScheduleConfig())
     assert not any(record.settings(s).head_sample for s in range(record.total_steps))
+
+
+def test_the_attention_backward_modes_fall_where_pr_371_puts_them():
+    """features.approx_attention_backward (PR #371 part 2): mode 1 on its hard-wired steps 592-593, mode 2 on
+    594-1106, 0 elsewhere (the taper and extension exact); scaled to the smoke schedule at the same place in
+    stage 1 (17 + round(272/361 · 19) = 31); each mode its own geometry; off, every step 0."""
+    from config import RUN_PRESETS, FeatureConfig, ScheduleConfig
+
+    on = TrainingSchedule(ScheduleConfig(), FeatureConfig(approx_attention_backward=True))
+    modes = [on.settings(s).attention_mode for s in range(on.total_steps)]
+    assert [s for s, m in enumerate(modes) if m == 1] == [592, 593]
+    assert [s for s, m in enumerate(modes) if m == 2] == list(range(594, 1107))
+    assert on.stage_ends[1:4] == [320, 681, 1107] and on.windows(592) == (3, 7)  # stage 1: W = 3 · 128 = 384
+    assert len({on.settings(s).geometry for s in (591, 592, 594)}) == 3
+    assert on.settings(592).geometry == on.settings(593).geometry  # PR #371 asserts they share a key
+    smoke = TrainingSchedule(RUN_PRESETS["smoke"].schedule, FeatureConfig(approx_attention_backward=True))
+    modes = [smoke.attention_mode(s) for s in range(smoke.total_steps)]
+    assert (modes.index(1), modes.index(2), len(modes) - modes[::-1].index(2)) == (31, 33, 60)
+    record = TrainingSchedule(ScheduleConfig())
+    assert not any(record.settings(s).attention_mode for s in range(record.total_steps))

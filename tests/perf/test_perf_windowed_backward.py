@@ -204,3 +204,49 @@ def test_compiled_fullgraph_reads_the_table_at_run_time():
         for a, b in zip(got, eager(codes)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert counter.frame_count == 1  # one graph: the new codes did not recompile it
+
+
+def test_the_restricted_backward_compiles_fullgraph_and_reads_its_table_at_run_time():
+    """Mode 2 as the model calls it (`restricted_backward_attention`, paired), under torch.compile(fullgraph,
+    aot_eager): one graph, the eager values, and a table rewritten in place after compiling (as the calibration
+    writes it) changes the gradients without a recompile: the table is read on the device, not baked."""
+    from perf.windowed_backward import restricted_backward_attention
+    from torch._dynamo.testing import CompileCounter
+
+    g = torch.Generator().manual_seed(0)
+    T, H, W = 256, 6, 96
+    q, k = (torch.randn(T, H, 8, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(T, H, 16, generator=g).requires_grad_()
+    cu = torch.tensor([0, 100, T, T], dtype=torch.int32)
+    table = torch.full((H // 2,), -1, dtype=torch.int32)
+
+    def fn(q, k, v):
+        return restricted_backward_attention(q, k, v, cu, W, 0.3, table, paired=True)
+
+    from perf.backend import current
+    current()  # the backend chosen before compiling, as a run does (its first read would be a guard that changes)
+    counter = CompileCounter()
+    compiled = torch.compile(fn, backend=aot_eager_counting(counter), fullgraph=True)
+    grads = {}
+    for codes in ((-1, -1, -1), (16, -1, 40)):
+        table.copy_(torch.tensor(codes, dtype=torch.int32))
+        y = compiled(q, k, v)
+        got = torch.autograd.grad(y.square().sum(), (q, k, v))
+        y_ref = fn(q, k, v)
+        want = torch.autograd.grad(y_ref.square().sum(), (q, k, v))
+        assert torch.equal(y, y_ref)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        grads[codes] = got
+    assert counter.frame_count == 1  # one graph for both tables
+    assert not torch.equal(grads[(-1, -1, -1)][0], grads[(16, -1, 40)][0])
+
+
+def aot_eager_counting(counter):
+    """aot_eager that counts the frames it compiles (torch._dynamo.testing.CompileCounter's count)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(gm, example_inputs):
+        counter(gm, example_inputs)
+        return aot_eager(gm, example_inputs)
+    return backend

@@ -168,7 +168,7 @@ PROBES = {
     "features.residual_fusions": (False, R), "features.token_norm_hashes": (True, R),
     "features.doc_copy": (True, R, {"features.token_norm_hashes": True}),
     "features.cplm": (True, R),
-    "features.approx_lm_head_grad": (True, S),
+    "features.approx_lm_head_grad": (True, S), "features.approx_attention_backward": (True, S),
     "device": ("cuda", C), "virtual_world_size": (4, R), "allowed_world_sizes": ((1,), C),
     "requires_fast_path": (True, fast_path_piece), "data_path": ("elsewhere", C), "train_pattern": ("a_*.bin", C),
     "val_pattern": ("b_*.bin", C), "canonical_mask": (True, R), "seed": (1, seeded_piece),

@@ -49,7 +49,7 @@ def test_the_record_declarations_make_the_switches_the_table_and_the_doc():
     assert all(f.type is bool and f.default is d.default for f, d in zip(dataclasses.fields(FeatureConfig), FEATURES))
     record = tuple(f for f in FEATURES if f.default)
     assert [f.name for f in FEATURES if not f.default] == ["token_norm_hashes", "doc_copy", "cplm",
-                                                           "approx_lm_head_grad"]  # past the record
+                                                           "approx_lm_head_grad", "approx_attention_backward"]  # past the record
     assert adam.RECORD_PARAM_TABLE == adam.param_table(record)
     assert adam.PARAM_TABLE == adam.param_table(FEATURES)
     assert {p: r for f in record for p, r in f.params} == VALUE_EMBED_ROWS  # of the record's, only value_embeds adds

@@ -4,6 +4,7 @@ build or call; the model without a feature against the record model with that fe
 in-process smoke run with every switch off, whose log names them. The switches that exist elsewhere
 (ANVIL -> NorMuon, SPEEDRUN_CUDA_GRAPHS, SPEEDRUN_COMPILE) are checked at the end.
 """
+import contextlib
 import dataclasses
 import json
 import re
@@ -331,3 +332,64 @@ def test_normuon_cuda_graphs_and_compile_switches_remove_theirs():
     with perf_backend.use_backend(cuda_graphs=True, compile=True, compile_backend="eager"):
         run = _run(FeatureConfig())
         assert run.graphs is not None and run.forward is not run.model
+
+
+def test_the_restricted_attention_backward_is_refused_on_an_attention_it_does_not_run():
+    """features.approx_attention_backward (PR #371 part 2) runs its restricted backward on the portable
+    attention only: a run on another (FA3 on a GPU, flex) stops at setup, naming the switch and the backend,
+    rather than train with the stock backward under the switch's name."""
+    cfg = dataclasses.replace(RUN_PRESETS["smoke"], features=FeatureConfig(approx_attention_backward=True, ngram=False))
+    setup = training.Setup(cfg, backend=dataclasses.replace(perf_backend.current(), attention="flex"))
+    with pytest.raises(ConfigError, match=r"features.approx_attention_backward=true \(PR #371 part 2\) runs its "
+                                          r"restricted backward on the portable attention only.*'flex'"):
+        training.Run(cfg, setup)
+
+
+@pytest.mark.slow
+def test_the_calibration_reads_the_host_on_its_two_steps_only_and_the_restricted_step_after_it_reads_its_tables(
+        monkeypatch):
+    """features.approx_attention_backward on the smoke preset at base 30 steps (calibration on 16-17, restricted
+    from 18), steps 16-17 of a Run on dummy batches (one process playing 2 ranks), each under the sync check: the calibration's host
+    reads pass (`permitted_sync`, only around them: without it the first one is caught), the tables hold the
+    choice after step 17 with the log's lines, and step 18 hands the model mode 2 and those tables (its forward
+    and backward stood in: the model's side is tests/model/test_model_attention_modes.py)."""
+    from runtime import sync_check
+    from runtime.sync_check import HostSyncError
+
+    cfg = RUN_PRESETS["smoke"]
+    cfg = dataclasses.replace(cfg, seed=0, schedule=dataclasses.replace(cfg.schedule, base_steps=30),
+                              features=FeatureConfig(approx_attention_backward=True, ngram=False))
+    with perf_backend.use_backend(sync_check=True, host_checks=False):  # (the input checks read the host)
+        run = training.Run(cfg, training.Setup(cfg))
+    assert [run.schedule.attention_mode(s) for s in (15, 16, 17, 18)] == [0, 1, 1, 2]
+
+    def step(s):
+        tokens = run.schedule.batch_tokens(s) // cfg.virtual_world_size
+        batches = [dummy_batch(tokens, run.schedule.doc_cap(s), seed=1000 * s + r, **run.hash_args)
+                   for r in run.setup.virtual_ranks]
+        with perf_backend.use_backend(sync_check=True, host_checks=False), sync_check.sync_check(run.setup.device):
+            run.train_step(s, batches)
+
+    with monkeypatch.context() as m:  # the exemption taken away: the calibration's first host read is caught
+        m.setattr(training, "permitted_sync", contextlib.nullcontext)
+        with pytest.raises(HostSyncError, match="host sync in a checked region"):
+            step(16)
+    run.reset()
+    tables = {layer: t.clone() for layer, t in run.calibration.tables.items()}
+    assert all((t == -1).all() for t in tables.values())
+    # untrained weights on dummy data: no shortened window passes 0.2; with no bound every head takes the cheapest
+    # (paired layers, 64-row tiles: 64; the others, 128-row tiles, 64 and 128 tie on cost: the smaller error)
+    run.calibration.threshold = float("inf")
+    step(16)
+    assert run.calibration_lines == []  # measured, not yet chosen
+    step(17)
+    lines = run.calibration_lines
+    assert len(lines) == 6 and lines[0].startswith("attention backward (PR #371): windows chosen from 4 snapshot(s)")
+    for layer, table in run.calibration.tables.items():
+        assert table.tolist() == [64] * 3 if layer in (0, 2, 5) else set(table.tolist()) <= {64, 128}, (layer, lines)
+    calls = []
+    monkeypatch.setattr(run, "forward_backward", lambda batch, rows, args: calls.append(args) or torch.zeros(()))
+    step(18)
+    assert len(calls) == 2  # both virtual ranks
+    args = calls[0]
+    assert args.attention_mode == 2 and args.attention_calibration is run.calibration

@@ -57,7 +57,10 @@ def test_a_proposal_is_its_prs_features_and_base_steps_and_the_flags_still_win()
     assert cfg.schedule == RUN_PRESETS["smoke"].schedule and cfg.features.doc_copy  # smoke keeps its schedule
     with pytest.raises(ConfigError, match="invalid choice: 'docopy'"):
         train_gpt.parse_args(["--proposal", "docopy"])
-    assert {name: p.base_steps for name, p in PROPOSALS.items()} == {"token_norm_hashes": 1107, "doc_copy": 1060, "cplm": 978}
+    assert {name: p.base_steps for name, p in PROPOSALS.items()} == {"token_norm_hashes": 1107, "doc_copy": 1060, "cplm": 978,
+                                                                      "approx_backward": 1122}
+    cfg, _ = train_gpt.parse_args(["--proposal", "approx_backward"])  # PR #371: both parts, the record's 1194 steps
+    assert (cfg.schedule, cfg.features.added()) == (ScheduleConfig(), ["approx_lm_head_grad", "approx_attention_backward"])
 
 
 def test_doc_copy_alone_is_refused_naming_what_it_needs(tmp_path):

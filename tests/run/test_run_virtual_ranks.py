@@ -1,10 +1,10 @@
 """One process computes what the ranks it plays compute (optim/lanes.py, RowPlan.lane).
 
 * 1 process playing the smoke recipe's 2 ranks and 2 gloo ranks: bitwise the same training
-  losses for 20 steps (across the first stage transition and the table events) and the same
-  validation loss;
-* each virtual rank's fp8 delayed scales: 1 process playing 2 ranks ends with the scales each of
-  2 ranks ends with, bit for bit;
+  losses for 11 steps of the smoke preset at base 30 steps (across its first stage transition, at 9,
+  and five table events) and the same validation loss;
+* each virtual rank's fp8 delayed scales and sampled-lm_head counter: 1 process playing 2 ranks ends
+  with what each of 2 ranks ends with, bit for bit (one pair of runs for both);
 * 8 virtual ranks run as 1×8, 2×4 and 8×1: within the bound stated in `EIGHT_RANK_BOUND`.
 """
 import json
@@ -17,8 +17,10 @@ from tests.gloo_workers import run_workers
 import train_gpt
 from tests.run.test_run_train import _torchrun, shards  # noqa: F401 (shards: the tokenized text, a fixture)
 
-TWENTY_STEPS = ["--no-warmup", "--val-every", "0", "--val-tokens", "2048", "--seed", "0", "--max-steps", "20",
-                "--log-train-loss"]
+# base 30 steps (stage ends 0, 9, 18, 32, 34, 40): the first stage transition at step 9, not 17 (CI time: 20
+# steps before, 2026-12-06)
+ACROSS_THE_FIRST_TRANSITION = ["--no-warmup", "--val-every", "0", "--val-tokens", "2048", "--seed", "0", "--max-steps",
+                               "11", "--log-train-loss", "--set", "schedule.base_steps=30"]
 
 
 def _entry(records) -> dict:
@@ -28,54 +30,65 @@ def _entry(records) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_one_process_and_two_ranks_train_bitwise_alike_for_twenty_steps(tmp_path, shards):
-    train_gpt.main(["--config", "smoke", "--data-path", str(shards), *TWENTY_STEPS, "--records-dir", str(tmp_path / "one")])
-    out = _torchrun(2, "--data-path", str(shards), *TWENTY_STEPS, "--records-dir", str(tmp_path / "two"),
+def test_one_process_and_two_ranks_train_bitwise_alike_across_the_first_stage_transition(tmp_path, shards):
+    train_gpt.main(["--config", "smoke", "--data-path", str(shards), *ACROSS_THE_FIRST_TRANSITION, "--records-dir", str(tmp_path / "one")])
+    out = _torchrun(2, "--data-path", str(shards), *ACROSS_THE_FIRST_TRANSITION, "--records-dir", str(tmp_path / "two"),
                     env={"SPEEDRUN_STREAM_CHECK": "1"})   # (an env: stderr merged into the output)
     # torch 2.13 warns at every call of a deprecated collective name (perf/collectives.py picks the current ones)
     assert "FutureWarning" not in out and "DeprecationWarning" not in out, out
     one, two = _entry(tmp_path / "one"), _entry(tmp_path / "two")
     assert (one["world_size"], two["world_size"]) == (1, 2)
-    assert len(one["train_losses"]) == 20
+    assert len(one["train_losses"]) == 11
     assert one["train_losses"] == two["train_losses"], list(zip(one["train_losses"], two["train_losses"]))
     assert one["val_loss"] == two["val_loss"]
 
 
-FP8_WORKER = textwrap.dedent("""
+LANE_WORKER = textwrap.dedent("""
     import dataclasses, os, sys
     import torch
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     from runtime import training
-    from config import RUN_PRESETS
+    from config import RUN_PRESETS, FeatureConfig
     from data.loader import dummy_batch
 
-    cfg = dataclasses.replace(RUN_PRESETS["smoke"], seed=0)
+    cfg = dataclasses.replace(RUN_PRESETS["smoke"], seed=0, features=FeatureConfig(approx_lm_head_grad=True))
     setup = training.Setup(cfg)
     setup.init_process_group(120)
     run = training.Run(cfg, setup)
-    for step in range(4):
+    for step in (17, 18, 19):  # sampled lm_head dW (stage 1), Adam updates on 17 and 19, three fp8 refreshes
         tokens = run.schedule.batch_tokens(step) // cfg.virtual_world_size
         run.train_step(step, [dummy_batch(tokens, run.schedule.doc_cap(step), seed=1000 * step + r, **run.hash_args)
                               for r in setup.virtual_ranks])
     run.flush()  # the last refresh: every (virtual) rank rolls its amaxes into its scales
     state = run.model.mlp_fp8.delayed_state()
     per_rank = run.lanes.lane_copies(state) if run.lanes is not None else [state]
-    torch.save([[t.clone() for t in s] for s in per_rank], f"{out}.{rank}")
+    counter = run.head_sample.counter
+    counters = [c[0] for c in run.lanes.lane_copies([counter])] if run.lanes is not None else [counter]
+    torch.save({"fp8": [[t.clone() for t in s] for s in per_rank], "counters": [int(c) for c in counters],
+                "lm_head": run.model.lm_head.weight.detach().clone()}, f"{out}.{rank}")
     run.close()
     if world > 1:
         torch.distributed.destroy_process_group()
 """)
 
 
+@pytest.fixture(scope="module")
+def lane_runs(tmp_path_factory):
+    """3 smoke steps (17-19) on dummy batches, each virtual rank's own, with the sampled lm_head dW on: what
+    1 process playing 2 ranks and 2 gloo ranks each keep per rank (one pair of runs for both tests below)."""
+    folder = tmp_path_factory.mktemp("lanes")
+    run_workers(LANE_WORKER, folder, 1, folder / "one", timeout=300)
+    run_workers(LANE_WORKER, folder, 2, folder / "two", timeout=300)
+    return torch.load(folder / "one.0"), [torch.load(folder / f"two.{r}") for r in range(2)]
+
+
 @pytest.mark.distributed
-def test_one_process_keeps_each_virtual_ranks_fp8_scales(tmp_path):
-    """4 smoke steps on dummy batches (each virtual rank's own): the post/dpre amaxes and scales of
-    virtual rank r in 1 process equal rank r's of a 2-rank run, and the two ranks' differ."""
-    run_workers(FP8_WORKER, tmp_path, 1, tmp_path / "one", timeout=300)
-    run_workers(FP8_WORKER, tmp_path, 2, tmp_path / "two", timeout=300)
-    lanes = torch.load(tmp_path / "one.0")
-    ranks = [torch.load(tmp_path / f"two.{r}")[0] for r in range(2)]
+def test_one_process_keeps_each_virtual_ranks_fp8_scales(lane_runs):
+    """The post/dpre amaxes and scales of virtual rank r in 1 process equal rank r's of a 2-rank run, and the
+    two ranks' differ."""
+    one, two = lane_runs
+    lanes, ranks = one["fp8"], [two[r]["fp8"][0] for r in range(2)]
     assert len(lanes) == 2
     for r in range(2):
         for name, a, b in zip(("post_amax", "post_scale", "dpre_amax", "dpre_scale"), lanes[r], ranks[r]):
@@ -121,41 +134,11 @@ def test_eight_virtual_ranks_agree_as_1x8_2x4_and_8x1(tmp_path, shards):
         assert runs[nproc]["val_loss"] == pytest.approx(ref["val_loss"], rel=EIGHT_RANK_BOUND)
 
 
-HEAD_SAMPLE_WORKER = textwrap.dedent("""
-    import dataclasses, os, sys
-    import torch
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    from runtime import training
-    from config import RUN_PRESETS, FeatureConfig
-    from data.loader import dummy_batch
-
-    cfg = dataclasses.replace(RUN_PRESETS["smoke"], seed=0, features=FeatureConfig(approx_lm_head_grad=True))
-    setup = training.Setup(cfg)
-    setup.init_process_group(120)
-    run = training.Run(cfg, setup)
-    for step in (17, 18, 19):  # sampled lm_head dW (stage 1), Adam updates on 17 and 19
-        tokens = run.schedule.batch_tokens(step) // cfg.virtual_world_size
-        run.train_step(step, [dummy_batch(tokens, run.schedule.doc_cap(step), seed=1000 * step + r, **run.hash_args)
-                              for r in setup.virtual_ranks])
-    run.flush()
-    counter = run.head_sample.counter
-    counters = [c[0] for c in run.lanes.lane_copies([counter])] if run.lanes is not None else [counter]
-    torch.save([[int(c) for c in counters], run.model.lm_head.weight.detach().clone()], f"{out}.{rank}")
-    run.close()
-    if world > 1:
-        torch.distributed.destroy_process_group()
-""")
-
-
 @pytest.mark.distributed
-def test_one_process_keeps_each_virtual_ranks_head_sample_counter(tmp_path):
-    """features.approx_lm_head_grad (PR #371): 3 sampled smoke steps on dummy batches; virtual rank r's counter
-    in 1 process is rank r's of a 2-rank run (r + 2·3 after three calls), and the lm_head both end with is bitwise
-    the same (each rank kept the same rows)."""
-    run_workers(HEAD_SAMPLE_WORKER, tmp_path, 1, tmp_path / "one", timeout=300)
-    run_workers(HEAD_SAMPLE_WORKER, tmp_path, 2, tmp_path / "two", timeout=300)
-    one_counters, one_head = torch.load(tmp_path / "one.0")
-    two = [torch.load(tmp_path / f"two.{r}") for r in range(2)]
-    assert one_counters == [6, 7] and [two[r][0] for r in range(2)] == [[6], [7]]
-    assert torch.equal(one_head, two[0][1]) and torch.equal(two[0][1], two[1][1])
+def test_one_process_keeps_each_virtual_ranks_head_sample_counter(lane_runs):
+    """features.approx_lm_head_grad (PR #371): virtual rank r's counter in 1 process is rank r's of a 2-rank run
+    (r + 2·3 after three sampled calls), and the lm_head both end with is bitwise the same (each rank kept the
+    same rows)."""
+    one, two = lane_runs
+    assert one["counters"] == [6, 7] and [two[r]["counters"] for r in range(2)] == [[6], [7]]
+    assert torch.equal(one["lm_head"], two[0]["lm_head"]) and torch.equal(two[0]["lm_head"], two[1]["lm_head"])

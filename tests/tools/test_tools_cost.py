@@ -368,3 +368,40 @@ def test_the_cost_command_prints_the_cplm_lines(capsys, monkeypatch):
     assert "cplm (PR #379), one rank's step: the pointer's 3 Triton kernels" in out
     assert "0-16    T=512 (1 × 512): tiles 36 forward and dq, 36 dk" in out
     assert "cplm over the 17 steps: pointer kernels" in out
+
+
+def test_the_restricted_attention_backward_is_priced_by_each_heads_window(smoke_rank):
+    """features.approx_attention_backward on the smoke preset at its first mode-2 geometry (steps 33-35): the
+    attention column drops by exactly the backward pairs the five layers' heads skip at PR #371's certify-run
+    windows, counted on the brute-force mask per head (2·(3·d_qk + 2·d_v) FLOPs a pair, d = 8 everywhere
+    but the paired layers' d_v = 16), and the recomputation by 2·d_qk a pair; the forward is unchanged."""
+    import dataclasses
+
+    from config import FeatureConfig
+    from model.attention_calibration import PR_371_RUN_01_WINDOWS
+    from model.gpt import PAIRED_HEAD_LAYERS
+    from runtime.meta_rank import build_rank_on_meta, geometries, meta_step
+
+    cfg = dataclasses.replace(RUN_PRESETS["smoke"], features=FeatureConfig(approx_attention_backward=True))
+    rank = build_rank_on_meta(cfg, 2)
+    settings, steps = next((s, st) for s, st in geometries(rank.schedule) if s.attention_mode == 2)
+    assert steps[0] == 33
+    g = op_count.geometry_cost(rank, settings, steps)
+    stock = op_count.geometry_cost(rank, dataclasses.replace(settings, attention_mode=0), steps)
+    cu = torch.tensor(meta_step(rank, settings, steps).host_batch.cu_seqlens.tolist())
+    W = settings.ws_short * 128
+    skipped = skipped_recompute = 0
+    for layer, codes in PR_371_RUN_01_WINDOWS.items():
+        paired = layer in PAIRED_HEAD_LAYERS
+        n = 2 * int(cu[-1]) if paired else int(cu[-1])
+        stream_cu = 2 * cu if paired else cu
+        full = int(varlen_attention_mask(stream_cu, n, W).sum())
+        d_qk, d_v = 8, 16 if paired else 8
+        for code in codes:
+            kept = int(varlen_attention_mask(stream_cu, n, W if code < 0 else min(code, W)).sum())
+            skipped += 2 * (full - kept) * (3 * d_qk + 2 * d_v)
+            skipped_recompute += 2 * (full - kept) * d_qk
+    A = rank.accum
+    assert skipped > 0
+    assert stock.flops["attention"] - g.flops["attention"] == skipped * A
+    assert stock.flops["attention recompute"] - g.flops["attention recompute"] == skipped_recompute * A
