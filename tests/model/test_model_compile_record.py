@@ -62,11 +62,10 @@ def test_record_shapes_one_graph_per_geometry_and_none_after():
         for steps in groups.values():  # the warmup: the first step of each geometry
             compiled(*_step_inputs(schedule, steps[0], cfg.model.model_dim)).backward()
         warmup = compiled_graphs() - before
-        for steps in groups.values():  # the timed loop: other steps of each geometry, other weights
-            for step in (steps[len(steps) // 2], steps[-1]):
-                loss = compiled(*_step_inputs(schedule, step, cfg.model.model_dim))
-                loss.backward()
-                assert loss.device.type == "meta" and loss.shape == ()
+        for steps in groups.values():  # the timed loop: another step of each geometry (its last), other weights
+            loss = compiled(*_step_inputs(schedule, steps[-1], cfg.model.model_dim))  # (one: CI time, 2026-12-06)
+            loss.backward()
+            assert loss.device.type == "meta" and loss.shape == ()
         timed = compiled_graphs() - before - warmup
     torch._dynamo.reset()
     assert (warmup, timed) == (len(groups), 0)
