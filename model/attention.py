@@ -92,7 +92,8 @@ class CausalSelfAttention(torch.nn.Module):
             v = v + args.aux_v.view(T, H, self.head_dim)[..., :dv]
         if args.backward_mode == 2:
             y = restricted_backward_attention(q, k, v, args.cu_seqlens, args.window, args.yarn.attn_scale,
-                                              args.head_windows, paired=self.paired)  # (T, H, dv)
+                                              args.head_windows, paired=self.paired,
+                                              max_seqlen=args.max_seqlen)  # (T, H, dv)
         elif args.backward_mode == 1:
             y = snapshot_attention(q, k, v, args.cu_seqlens, args.window, args.yarn.attn_scale, args.snapshot,
                                    paired=self.paired, max_seqlen=args.max_seqlen)  # (T, H, dv)

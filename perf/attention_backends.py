@@ -416,6 +416,46 @@ def fa3_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, wi
     return y.reshape(T, H, v.shape[-1])
 
 
+def fa3_varlen_forward_with_lse(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
+                                softmax_scale: float, max_seqlen: int) -> tuple[Tensor, Tensor]:
+    """FA3 varlen's forward on the *stream* layout (q, k [n, H, d_qk], v [n, H, d_v], cu_seqlens int32 [R],
+    max_seqlen in stream positions) with its softmax log-sum-exp: (out [n, H, d_v], lse [H, n] fp32).
+
+    The same kernel and arguments as `fa3_varlen_attention`, so out is bitwise its output (PR #371: the
+    restricted backward leaves the forward as #360's). The LSE is what FA3 saves for its own backward; the
+    build hands it back when asked with `return_attn_probs=True` (FA3's name for it), older builds always.
+    Called without autograd: the caller (perf/windowed_backward.py's op) owns the backward."""
+    fa3 = _fa3_interface if _fa3_interface is not None else load_fa3()
+    call = fa3.flash_attn_varlen_func
+    extra = {"return_attn_probs": True} if "return_attn_probs" in _parameters(call) else {}
+    with torch.no_grad():
+        result = call(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+                      max_seqlen_k=max_seqlen, causal=True, softmax_scale=softmax_scale, window_size=(window, 0),
+                      **extra)
+    n, H, _ = q.shape
+    if not isinstance(result, tuple) or len(result) < 2:
+        raise RuntimeError(f"FA3 ({FA3_REPO}@{FA3_REVISION}): flash_attn_varlen_func returned no softmax LSE "
+                           f"(a {type(result).__name__}); the restricted backward (PR #371) needs it")
+    out, lse = result[0], result[1]
+    if tuple(lse.shape) != (H, n) or lse.dtype != torch.float32:
+        raise RuntimeError(f"FA3: softmax LSE of shape {tuple(lse.shape)} {lse.dtype}, expected {(H, n)} "
+                           f"float32 (varlen: [num_heads, total_q])")
+    return out, lse
+
+
+@functools.lru_cache(maxsize=None)
+def _parameter_names(fn) -> frozenset[str]:
+    import inspect
+    try:
+        return frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: pass nothing extra
+        return frozenset()
+
+
+def _parameters(fn) -> frozenset[str]:
+    return _parameter_names(getattr(fn, "__func__", fn))
+
+
 # ------------------------------------------------------------------------------------------------
 # Public op and the record's start-up check
 

@@ -34,11 +34,14 @@ like `sdpa_varlen_attention` and maps it; the two functions below work on the st
     y = windowed_backward_attention(q, k, v, cu_seqlens, window, scale, head_windows, paired)  # autograd
     dq, dk, dv = windowed_attention_backward_fast(...)  # the same arguments: the Triton kernels when
                                                         # perf.backend.current().triton, else the definition
+    y = restricted_backward_attention(q, k, v, cu_seqlens, window, scale, head_windows, paired, max_seqlen)
+                                        # mode 2 as the model calls it: the ops on FA3, the twin on sdpa
 
 Queries run in chunks against the keys the launch window reaches, as in `sdpa_varlen_attention`, so the
 score tiles are [H, chunk, chunk + W]; the math is fp32 (fp64 for fp64 inputs, for the tests), the
-gradients come back in the inputs' dtypes. This is the definition and the CPU path; the fast path (a
-per-head windowed backward on FA3's tiles) must match it.
+gradients come back in the inputs' dtypes. This is the definition and the CPU path. The fast path
+(`restricted_attention_op`, what mode 2 runs on FA3) is two opaque custom ops: FA3's forward handing over its
+LSE, and the Triton kernels (perf/kernels/windowed_backward.py) for the backward; it matches the definition.
 
 Run the tests: pytest tests/perf/test_perf_windowed_backward.py -q
 """
@@ -47,7 +50,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from perf.attention_backends import _stream_layout, sdpa_varlen_attention, segment_ids, varlen_attention
+from perf.attention_backends import (_stream_layout, fa3_varlen_forward_with_lse, sdpa_varlen_attention, segment_ids,
+                                     varlen_attention)
 from perf.backend import current
 from perf.kernels.windowed_backward import check_backward_inputs, check_layout, windowed_attention_backward_triton
 
@@ -196,18 +200,96 @@ def windowed_attention_backward_fast(q: Tensor, k: Tensor, v: Tensor, out: Tenso
     return windowed_attention_backward(q, k, v, out, lse, d_out, cu_seqlens, scale, window, head_windows, chunk)
 
 
+# ---- the fast path: FA3's forward with its LSE and the Triton backward, as two opaque ops ------------------
+# On the GPU the restricted backward cannot be an autograd.Function around FA3: torch.compile would trace
+# FA3's Python wrapper and the Triton launches. Two custom ops with shape-only fakes hold them instead, as
+# the compiled graph holds FA3 itself: `restricted_attention_fwd` (FA3 varlen with its softmax LSE, so the
+# output is the record's, bitwise) and `restricted_attention_bwd` (`windowed_attention_backward_fast`: the
+# Triton kernels reading the head table on the device). Their real bodies pick the forward by backend, so
+# the CPU tests run the same ops with the portable forward (`windowed_attention_forward`, sdpa's output).
+
+@torch.library.custom_op("speedrun::restricted_attention_fwd", mutates_args=())
+def restricted_attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, head_windows: Tensor, window: int,
+                             scale: float, max_seqlen: int) -> tuple[Tensor, Tensor]:
+    """Stream layout → (out [n, H, d_v], lse [H, n] fp32), both contiguous. FA3 on the fa3 backend.
+    head_windows is not read here: it is an input so that the backward (`_restricted_backward`) has it."""
+    if current().attention == "fa3":
+        out, lse = fa3_varlen_forward_with_lse(q, k, v, cu_seqlens, window, scale, max_seqlen)
+    else:
+        out, lse = windowed_attention_forward(q, k, v, cu_seqlens, scale, window)
+    return out.contiguous(), lse.float().contiguous()
+
+
+@restricted_attention_fwd.register_fake
+def _(q, k, v, cu_seqlens, head_windows, window, scale, max_seqlen):
+    n, H, _ = q.shape
+    return q.new_empty((n, H, v.shape[-1])), q.new_empty((H, n), dtype=torch.float32)
+
+
+@torch.library.custom_op("speedrun::restricted_attention_bwd", mutates_args=())
+def restricted_attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
+                             cu_seqlens: Tensor, head_windows: Tensor, window: int,
+                             scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`windowed_attention_backward_fast` → (dq, dk, dv), contiguous, in q's, k's, v's dtypes."""
+    grads = windowed_attention_backward_fast(q, k, v, out, lse, d_out, cu_seqlens, scale, window, head_windows)
+    return tuple(g.contiguous() for g in grads)
+
+
+@restricted_attention_bwd.register_fake
+def _(q, k, v, out, lse, d_out, cu_seqlens, head_windows, window, scale):
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))  # contiguous, as the real op's
+
+
+def _save_for_the_backward(ctx, inputs, output):
+    q, k, v, cu_seqlens, head_windows, window, scale, _ = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens, head_windows)
+    ctx.window, ctx.scale = window, scale
+
+
+def _restricted_backward(ctx, d_out, d_lse):
+    """The forward's LSE output only feeds this backward (d_lse is None or zeros: ignored)."""
+    q, k, v, out, lse, cu_seqlens, head_windows = ctx.saved_tensors
+    dq, dk, dv = restricted_attention_bwd(q, k, v, out, lse, d_out, cu_seqlens, head_windows, ctx.window, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+restricted_attention_fwd.register_autograd(_restricted_backward, setup_context=_save_for_the_backward)
+
+
+def restricted_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, softmax_scale: float,
+                            head_windows: Tensor, paired: bool = False, max_seqlen: int | None = None) -> Tensor:
+    """The fast path's mode 2: `windowed_backward_attention`'s contract (model layout in, [T, H, d_v] out)
+    through the two ops. max_seqlen: the longest segment in tokens, as `fa3_varlen_attention` takes it (None
+    reads it from cu_seqlens: a host sync, refused under compile)."""
+    T, H, _ = q.shape
+    if max_seqlen is None:
+        if torch.compiler.is_compiling():
+            raise ValueError("restricted_attention_op inside torch.compile needs max_seqlen (reading it from "
+                             "cu_seqlens would break the graph): pass the configured maximum segment length")
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    q, k, v, cu_seqlens = _stream_layout(q, k, v, cu_seqlens, paired)  # paired: (2T, H/2, d)
+    y, _ = restricted_attention_fwd(q, k, v, cu_seqlens.to(torch.int32), head_windows, window, softmax_scale,
+                                    2 * max_seqlen if paired else max_seqlen)  # (n, H', d_v), (H', n)
+    return y.reshape(T, H, v.shape[-1])
+
+
 # ---- the two modes as the model calls them (PR #371 §4.2) ------------------------------------------------
 
 
 def restricted_backward_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
-                                  softmax_scale: float, head_windows: Tensor, paired: bool = False) -> Tensor:
-    """Mode 2: `varlen_attention` on the portable attention (its output bitwise) with the restricted
-    backward reading `head_windows` (`windowed_backward_attention`). The FA3 path (its forward handing over
-    the LSE, the Triton backward, one opaque op under compile) is not wired yet: a run on it stops here
-    rather than run another backward than the one asked for (runtime/training.py refuses it first)."""
-    if current().attention != "sdpa":
-        raise RuntimeError(f"features.approx_attention_backward: the restricted backward runs on the portable "
-                           f"attention (sdpa) only; this backend's attention is {current().attention!r}")
+                                  softmax_scale: float, head_windows: Tensor, paired: bool = False,
+                                  max_seqlen: int | None = None) -> Tensor:
+    """Mode 2: `varlen_attention`'s output (bitwise, on its backend) with the restricted backward reading
+    `head_windows`. FA3: the two opaque ops (`restricted_attention_op`: FA3's forward and LSE, the Triton
+    backward); sdpa: the portable twin (`windowed_backward_attention`, plain torch that compile traces).
+    flex has no forward that hands its LSE over here: a run on it stops rather than run another backward
+    than the one asked for (runtime/training.py refuses it first)."""
+    backend = current().attention
+    if backend == "fa3":
+        return restricted_attention_op(q, k, v, cu_seqlens, window, softmax_scale, head_windows, paired, max_seqlen)
+    if backend != "sdpa":
+        raise RuntimeError(f"features.approx_attention_backward: the restricted backward runs on FA3 or the "
+                           f"portable attention (sdpa); this backend's attention is {backend!r}")
     return windowed_backward_attention(q, k, v, cu_seqlens, window, softmax_scale, head_windows, paired)
 
 

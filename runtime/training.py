@@ -185,11 +185,11 @@ class Run:
         self.calibration_lines: list[str] = []  # the choice, for the log (train_gpt.py prints them)
         self.warming_up = False
         if features.approx_attention_backward:
-            if setup.backend.attention != "sdpa":
+            if setup.backend.attention not in ("fa3", "sdpa"):
                 raise ConfigError(f"--set features.approx_attention_backward=true (PR #371 part 2) runs its restricted "
-                                  f"backward on the portable attention only (SPEEDRUN_ATTENTION=sdpa); this run's is "
-                                  f"{setup.backend.attention!r}: FA3's forward with its LSE and the Triton windowed "
-                                  f"backward are not wired into one op yet")
+                                  f"backward on FA3 (its forward's LSE, the Triton windowed backward) or on the "
+                                  f"portable attention (SPEEDRUN_ATTENTION=sdpa); this run's is "
+                                  f"{setup.backend.attention!r}, whose forward hands no LSE over")
             self.calibration = CalibrationState(eligible_layers(cfg.model.num_heads),
                                                 device=setup.device)
         # the post-warmup reset's snapshot of the weights, off the device for the whole run: pinned

@@ -76,9 +76,12 @@ def plan_graphs(cfg, steps: list[int] | None = None, backward: bool = True, vali
         if s.geometry in seen or (wanted is not None and s.geometry not in wanted):
             continue
         seen.add(s.geometry)
+        if s.attention_mode == 1:  # PR #371's calibration steps run the uncompiled model (runtime/training.py)
+            continue
         tokens = s.batch_tokens // cfg.virtual_world_size
         name = (f"train step {step}: T={tokens} P={s.softmax_p or 'full'} mtp={len(s.mtp_weights)} "
-                f"prefix={'on' if s.prefix_weight else 'off'} windows={s.ws_short}/{s.ws_long}")
+                f"prefix={'on' if s.prefix_weight else 'off'} windows={s.ws_short}/{s.ws_long}"
+                + (" restricted attention backward" if s.attention_mode == 2 else ""))
         specs.append(GraphSpec(name + ("" if backward else " (forward only)"), True, step, (s.ws_short, s.ws_long)))
     if validation:
         val_windows = sorted({schedule.windows(max(k - 1, 0)) for k in range(0, n, cfg.val_every)}) \
@@ -347,9 +350,14 @@ def graph_inputs(cfg, schedule, spec: GraphSpec) -> tuple:
         if s.head_sample:  # PR #371: the counter a run keeps per rank (training.Run), rank 0's
             from perf.sampled_head_grad import HeadSample
             head_sample = HeadSample(0, cfg.virtual_world_size, dev)
+        calibration = None
+        if s.attention_mode:  # PR #371 part 2: the head tables a run keeps (training.Run), all full
+            from model.attention_calibration import CalibrationState, eligible_layers
+            calibration = CalibrationState(eligible_layers(cfg.model.num_heads), device=dev)
         args = StepArgs(ws_short=s.ws_short, ws_long=s.ws_long, mtp_weights=mtp,
                         prefix_weight=prefix, candidates=candidates, training=True,
-                        max_seq_len=schedule.max_seq_len(spec.step), head_sample=head_sample)
+                        max_seq_len=schedule.max_seq_len(spec.step), head_sample=head_sample,
+                        attention_mode=s.attention_mode, attention_calibration=calibration)
         rows = torch.zeros(2 * T, D, dtype=torch.bfloat16, device=dev, requires_grad=True)  # the sink leaf
     else:
         T = cfg.val_batch_tokens // cfg.virtual_world_size
@@ -508,11 +516,6 @@ def _run(args) -> int:
         reports = cross_compile_cases(args.function, progress=lambda line: print(line, flush=True))
         return _finish(reports, time.perf_counter() - t0)
     cfg = args.run_config
-    if cfg.features.approx_attention_backward:  # its graphs would compile as the stock backward's: refuse
-        print("tools.cross_compile: features.approx_attention_backward (PR #371 part 2) runs its restricted backward "
-              "on the portable attention only; its FA3 op (the forward's LSE, the Triton windowed backward) is not "
-              "wired, so there is no GPU graph of it to compile", file=sys.stderr)
-        return EXIT_USAGE
     specs = plan_graphs(cfg, args.steps, backward=not args.no_backward, validation=not args.no_validation)
     print(f"cross-compiling {len(specs)} graph(s) of --config {cfg.name}"
           + (f" --proposal {cfg.proposal}" if cfg.proposal else "") + f" --world-size {args.world_size} "

@@ -413,6 +413,63 @@ def check_attention(ctx: Context) -> list[Result]:
     return results
 
 
+def _windowed_backward_row(ctx: Context, heads: int, d_v: int, tokens: int, codes: list[int], fa3) -> Result:
+    """PR #371's restricted backward (perf/kernels/windowed_backward.py, bf16) on one layer's stream at stage
+    1's window: its norm-wise error against the definition (fp32, same GPU) and its time against what it
+    replaces, FA3's stock backward of the same forward (the definition's time in the dry run, where FA3 is
+    absent). `heads` stream heads: 3 on a paired layer ([2T, 3, d]), 6 on layers 1 and 8."""
+    from perf.attention_backends import fa3_varlen_attention
+    from perf.kernels.windowed_backward import windowed_attention_backward_triton
+    from perf.windowed_backward import windowed_attention_backward, windowed_attention_forward
+
+    window, scale = ctx.shape(record=384, tiny=9), 0.12  # record #360: stage 1's long window, where 592-593 calibrate
+    n = tokens * 6 // heads  # stream positions
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    # peaked softmaxes, as QK-normed and gained scores give
+    q, k = ((1.5 * torch.randn((n, heads, 64), device=ctx.device, generator=gen)).bfloat16() for _ in range(2))
+    v, d_out = (torch.randn((n, heads, d_v), device=ctx.device, generator=gen).bfloat16() for _ in range(2))
+    cuts = sorted({n // 7, n // 3, n // 2 + 3, (4 * n) // 5})
+    cu = torch.tensor([0, *cuts, n, n], dtype=torch.int32, device=ctx.device)
+    table = torch.tensor(codes, dtype=torch.int32, device=ctx.device)
+    out, lse = windowed_attention_forward(q.float(), k.float(), v.float(), cu, scale, window)
+    want = windowed_attention_backward(q.float(), k.float(), v.float(), out, lse, d_out.float(), cu, scale, window, table)
+    args = (q, k, v, out.bfloat16(), lse, d_out, cu, scale, window, table)
+    got = windowed_attention_backward_triton(*args)
+    error = max(((g.float() - w).norm() / w.norm().clamp_min(1e-30)).item() for g, w in zip(got, want))
+    if fa3 is not None:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        y = fa3_varlen_attention(*leaves, cu, window, scale, max_seqlen=int((cu[1:] - cu[:-1]).max()))
+        baseline, against = (lambda: torch.autograd.grad(y, leaves, d_out, retain_graph=True)), "FA3 stock bwd"
+    else:
+        baseline, against = (lambda: windowed_attention_backward(*args)), "definition"
+    case = (f"windowed bwd {heads}x(64/{d_v}) n={n} W={window} codes={codes} vs {against}")
+    # bf16 P and dS before their GEMMs (as FA2/FA3): PR #371's own check, 0.008 norm-wise
+    return ctx.compare("windowed_backward", case, error, 0.008, "rel", lambda: windowed_attention_backward_triton(*args),
+                       baseline)
+
+
+@register("windowed_backward")
+def check_windowed_backward(ctx: Context) -> list[Result]:
+    """PR #371 part 2's Triton backward at one rank's stage-1 batch (32,768 tokens) on a paired layer and a
+    64/64 layer, with the windows of the PR's certify run 01 and with every head full (equal work: its
+    overhead against FA3's backward). The ratio is FA3 stock backward time / ours (> 1: the shortened
+    backward is faster)."""
+    from perf import attention_backends as ab
+
+    fa3 = None
+    if not ctx.dry_run:
+        try:
+            fa3 = ab.load_fa3()
+        except RuntimeError:  # the attention check names the failed load; here the definition is the baseline
+            fa3 = None
+    tokens = ctx.shape(record=32768, tiny=48)
+    paired, narrow = ctx.shape(record=([64, 64, 256], [256] * 6), tiny=([2, 2, 5], [5] * 6))  # the dry run: W = 9
+    return [_windowed_backward_row(ctx, 3, 128, tokens, paired, fa3),
+            _windowed_backward_row(ctx, 3, 128, tokens, [-1] * 3, fa3),
+            _windowed_backward_row(ctx, 6, 64, tokens, narrow, fa3),
+            _windowed_backward_row(ctx, 6, 64, tokens, [-1] * 6, fa3)]
+
+
 def _mlp_ops(ctx: Context, tokens: int, dim: int, hidden: int) -> dict[str, Callable]:
     """The MLP kernels and their twins as closures over one case: a refreshed one-slot Fp8MLPState
     whose delayed scales come from one portable step, and bf16 x (normed rows), W1, W2, g, p."""

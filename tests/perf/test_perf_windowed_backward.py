@@ -250,3 +250,141 @@ def aot_eager_counting(counter):
         counter(gm, example_inputs)
         return aot_eager(gm, example_inputs)
     return backend
+
+
+class _NumericFA3:
+    """A CPU FA3 for the op path: the portable forward (sdpa's output) and its LSE, returned as the build
+    returns them: (out, lse) when asked with return_attn_probs=True, else out alone (or, `always_tuple`,
+    both every time, as older builds)."""
+
+    def __init__(self, with_flag: bool = True, always_tuple: bool = False):
+        self.calls, self.with_flag, self.always_tuple = [], with_flag, always_tuple
+
+    def _forward(self, q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, window_size):
+        self.calls.append((tuple(q.shape), max_seqlen_q, window_size))
+        return windowed_attention_forward(q, k, v, cu_seqlens_q, softmax_scale, window_size[0])
+
+    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal=False, softmax_scale=None, window_size=(-1, -1), return_attn_probs=False):
+        out, lse = self._forward(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, window_size)
+        return (out, lse) if return_attn_probs or self.always_tuple else out
+
+
+class _NumericFA3WithoutFlag(_NumericFA3):
+    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal=False, softmax_scale=None, window_size=(-1, -1)):
+        out, lse = self._forward(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, window_size)
+        return (out, lse) if self.always_tuple else out
+
+
+@pytest.mark.parametrize("triton", [False, True])  # the backward op's definition, then its Triton kernels
+def test_the_fa3_path_is_two_opaque_ops_with_fa3s_output_and_the_twins_gradients(monkeypatch, triton):
+    """Mode 2 on the fa3 backend (`restricted_backward_attention` → `restricted_attention_op`), FA3 a numeric
+    CPU stand-in: under torch.compile(fullgraph, aot_eager) the graph holds the two custom ops whole (FA3's
+    forward with its LSE, the restricted backward), the output is bitwise FA3's mode-0 output, the gradients
+    are the portable twin's (`windowed_backward_attention`), FA3 is called with the paired stream's doubled
+    max_seqlen and the launch window, and a table rewritten after compiling is read at run time."""
+    from perf import attention_backends
+    from perf.attention_backends import fa3_varlen_attention
+    from perf.windowed_backward import restricted_backward_attention
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    fa3 = _NumericFA3()
+    monkeypatch.setattr(attention_backends, "_fa3_interface", fa3)
+    g = torch.Generator().manual_seed(3)
+    T, H, W = 48, 6, 20
+    q, k = (torch.randn(T, H, 8, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(T, H, 16, generator=g).requires_grad_()
+    cu = torch.tensor([0, 20, T, T], dtype=torch.int32)
+    table = torch.full((H // 2,), -1, dtype=torch.int32)
+    d_y = torch.randn(T, H, 16, generator=g)
+    with use_backend(attention="fa3", triton=triton, compile=True, compile_backend="aot_eager"):
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(lambda q, k, v: restricted_backward_attention(q, k, v, cu, W, SCALE, table, paired=True,
+                                                                               max_seqlen=28),
+                                 backend=counter, fullgraph=True, dynamic=False)
+        for codes in ((-1, -1, -1), (6, -1, 0)):
+            table.copy_(torch.tensor(codes, dtype=torch.int32))
+            fa3.calls.clear()
+            y = compiled(q, k, v)
+            assert fa3.calls == [((2 * T, H // 2, 8), 56, (W, 0))]  # one FA3 call: stream layout, 2 × 28, (W, 0)
+            got = torch.autograd.grad(y, (q, k, v), d_y)
+            assert torch.equal(y, fa3_varlen_attention(q, k, v, cu, W, SCALE, paired=True, max_seqlen=28))
+            y_twin = windowed_backward_attention(q, k, v, cu, W, SCALE, table, paired=True)
+            want = torch.autograd.grad(y_twin, (q, k, v), d_y)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 1
+    ops = {str(node.target) for graph in counter.graphs for node in graph.graph.nodes if node.op == "call_function"}
+    assert "speedrun.restricted_attention_fwd.default" in ops, ops  # FA3 and the Triton launches never traced
+
+
+def test_the_fa3_path_takes_the_lse_from_either_kind_of_build_and_stops_without_one(monkeypatch):
+    """The LSE comes from `return_attn_probs=True` where the build's signature has it, from the tuple older
+    builds always return otherwise; a build that returns the output alone stops the step, saying why."""
+    from perf import attention_backends
+    from perf.windowed_backward import restricted_attention_op
+
+    q, k, v, _ = _inputs(16, 3, 4, 6, seed=1, dtype=torch.float32)
+    cu, table = torch.tensor(CU, dtype=torch.int32), torch.tensor([2, -1, 0], dtype=torch.int32)
+    want = sdpa_varlen_attention(q, k, v, cu, 5, SCALE)
+    with use_backend(attention="fa3"):
+        for fa3 in (_NumericFA3(), _NumericFA3WithoutFlag(always_tuple=True)):
+            monkeypatch.setattr(attention_backends, "_fa3_interface", fa3)
+            assert torch.equal(restricted_attention_op(q, k, v, cu, 5, SCALE, table), want)
+        monkeypatch.setattr(attention_backends, "_fa3_interface", _NumericFA3WithoutFlag())
+        with pytest.raises(RuntimeError, match="flash_attn_varlen_func returned no softmax LSE"):
+            restricted_attention_op(q, k, v, cu, 5, SCALE, table)
+
+
+def test_the_restricted_ops_pass_torch_librarys_opcheck():
+    """`torch.library.opcheck` on both ops: schema, fake kernels (shapes, dtypes, strides) against the real
+    ones, and the autograd registration (forward op) — what torch.compile and AOT autograd rely on."""
+    from perf.windowed_backward import restricted_attention_bwd, restricted_attention_fwd
+
+    q, k, v, d_out = _inputs(16, 3, 4, 6, seed=2, dtype=torch.float32)
+    cu, table = torch.tensor(CU, dtype=torch.int32), torch.tensor([2, -1, 0], dtype=torch.int32)
+    torch.library.opcheck(restricted_attention_fwd, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(),
+                                                     cu, table, 5, SCALE, 9))
+    out, lse = windowed_attention_forward(q.detach(), k.detach(), v.detach(), cu, SCALE, 5)
+    torch.library.opcheck(restricted_attention_bwd, (q.detach(), k.detach(), v.detach(), out, lse, d_out, cu, table,
+                                                     5, SCALE))
+
+
+@pytest.mark.gpu
+def test_the_fa3_op_on_gpu_hands_over_fa3s_output_and_lse_and_runs_the_triton_backward():
+    """The real FA3 (the pinned build) at record #360's paired widths (n = 8,192 stream positions, 3 heads,
+    d_qk 64 / d_v 128, W = 384), bf16: the op's output is bitwise `fa3_varlen_attention`'s (PR #371: the
+    forward unchanged), its LSE the definition's (`varlen_attention_lse`) to fp32 rounding, and the
+    gradients through the op the definition's (fp32, on the same GPU) within PR #371's bf16 check."""
+    from perf.attention_backends import fa3_varlen_attention, load_fa3
+    from perf.windowed_backward import restricted_attention_fwd, varlen_attention_lse
+
+    try:
+        load_fa3()
+    except RuntimeError as exc:  # no hub access on this machine: tools/gpu_check.py reports FA3 separately
+        pytest.skip(f"FA3 not loadable: {exc}")
+    T, H, window, scale = 4096, 6, 384, 0.12
+    gen = torch.Generator().manual_seed(0)
+    ends = torch.cumsum(torch.randint(50, 1500, (12,), generator=gen), 0)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), ends[ends < T], torch.full((2,), T)]).int().cuda()
+    q, k = ((1.5 * torch.randn(T, H, 64, generator=gen)).bfloat16().cuda().requires_grad_() for _ in range(2))
+    v = torch.randn(T, H, 128, generator=gen).bfloat16().cuda().requires_grad_()
+    d_y = torch.randn(T, H, 128, generator=gen).bfloat16().cuda()
+    table = torch.tensor([64, -1, 256], dtype=torch.int32, device="cuda")
+    max_seqlen = int((cu[1:] - cu[:-1]).max())
+    with use_backend(attention="fa3", triton=True):
+        from perf.windowed_backward import restricted_backward_attention
+        y = restricted_backward_attention(q, k, v, cu, window, scale, table, paired=True, max_seqlen=max_seqlen)
+        assert torch.equal(y, fa3_varlen_attention(q, k, v, cu, window, scale, paired=True, max_seqlen=max_seqlen))
+        got = torch.autograd.grad(y, (q, k, v), d_y)
+        qs, ks, vs = (t.detach().reshape(2 * T, H // 2, t.shape[-1]) for t in (q, k, v))
+        out, lse = restricted_attention_fwd(qs, ks, vs, 2 * cu, table, window, scale, 2 * max_seqlen)
+    want_lse = varlen_attention_lse(qs, ks, 2 * cu, scale, window)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+    want = windowed_attention_backward(qs.float(), ks.float(), vs.float(), out.float(), want_lse,
+                                       d_y.reshape(2 * T, H // 2, 128).float(), 2 * cu, scale, window, table)
+    for name, g, w in zip("qkv", got, want):
+        g = g.float().reshape(w.shape)
+        rel = ((g - w).norm(dim=(0, 2)) / w.norm(dim=(0, 2)).clamp_min(1e-30)).max().item()
+        assert rel < 0.008, (name, rel)

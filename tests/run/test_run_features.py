@@ -335,13 +335,13 @@ def test_normuon_cuda_graphs_and_compile_switches_remove_theirs():
 
 
 def test_the_restricted_attention_backward_is_refused_on_an_attention_it_does_not_run():
-    """features.approx_attention_backward (PR #371 part 2) runs its restricted backward on the portable
-    attention only: a run on another (FA3 on a GPU, flex) stops at setup, naming the switch and the backend,
-    rather than train with the stock backward under the switch's name."""
+    """features.approx_attention_backward (PR #371 part 2) runs its restricted backward on FA3 or the portable
+    attention: a run on flex (whose forward hands no LSE over) stops at setup, naming the switch and the
+    backend, rather than train with the stock backward under the switch's name."""
     cfg = dataclasses.replace(RUN_PRESETS["smoke"], features=FeatureConfig(approx_attention_backward=True, ngram=False))
     setup = training.Setup(cfg, backend=dataclasses.replace(perf_backend.current(), attention="flex"))
     with pytest.raises(ConfigError, match=r"features.approx_attention_backward=true \(PR #371 part 2\) runs its "
-                                          r"restricted backward on the portable attention only.*'flex'"):
+                                          r"restricted backward on FA3 .* or on the portable attention.*'flex'"):
         training.Run(cfg, setup)
 
 

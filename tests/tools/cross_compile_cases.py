@@ -112,3 +112,21 @@ def cplm_head_and_mixture_loss():
                 torch.zeros(T, dtype=torch.int32), torch.zeros(T, dtype=torch.long),
                 torch.tensor([0, 300, 700, T, T], dtype=torch.int32), candidates, torch.tensor([1.0, 0.5]),
                 torch.zeros(len(DIAGNOSTICS)))
+
+
+def restricted_attention_paired():
+    """PR #371's mode 2 on a paired layer at record #360's widths (6 heads, d_qk 64, d_v 128; [2T, 3, d]
+    streams, W = 384), forward and backward, as the model calls it on the fa3 backend: FA3's forward with its
+    LSE and the restricted backward, two opaque custom ops (perf/windowed_backward.py) in the graph with the
+    head table an input; the layout around them inductor's. (The Triton windowed backward's own cubins:
+    tests/perf/test_perf_compile_sm90.py.)"""
+    from perf.windowed_backward import restricted_backward_attention
+
+    def fn(q, k, v, cu_seqlens, head_windows):
+        return restricted_backward_attention(q, k, v, cu_seqlens, 384, 0.12, head_windows, paired=True,
+                                             max_seqlen=1024)
+
+    T = 1024
+    q, k = (torch.zeros(T, 6, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.zeros(T, 6, 128, dtype=torch.bfloat16, requires_grad=True)
+    return fn, (q, k, v, torch.zeros(8, dtype=torch.int32), torch.full((3,), -1, dtype=torch.int32))

@@ -252,3 +252,92 @@ def test_violations_injected_into_the_smoke_step_are_named(smoke, monkeypatch):
     new = messages(checker, "new persistent tensor")
     assert any(m.startswith("resid_lambdas is a tensor created inside the region") for m in new), text
     assert any(m.startswith("optimizer[scalars].state.exp_avg_sq is a tensor created inside") for m in new), text
+
+
+# ---- PR #371's restricted attention backward: the head table read in place ------------------------------
+
+
+class RestrictedAttentionToy(nn.Module):
+    """One paired attention layer in mode 2 on the fa3 backend (the two opaque ops of
+    perf/windowed_backward.py; FA3 a CPU stand-in computing the portable forward and its LSE), its head table
+    a buffer as CalibrationState's tables are persistent tensors."""
+    T, W = 48, 20
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w = nn.Parameter(0.3 * torch.randn(8, 3 * 6 * 8, generator=g))  # x → q, k, v of 6 heads of 8
+        self.register_buffer("x", torch.zeros(self.T, 8), persistent=False)  # the static input (T, 8)
+        self.register_buffer("cu_seqlens", torch.tensor([0, 20, self.T, self.T], dtype=torch.int32), persistent=False)
+        self.register_buffer("head_windows", torch.full((3,), -1, dtype=torch.int32), persistent=False)
+
+    def forward(self, x):
+        from perf.windowed_backward import restricted_backward_attention
+        q, k, v = (x @ self.w).view(self.T, 3, 6, 8).unbind(1)  # (T, 6, 8) each
+        y = restricted_backward_attention(q, k, v, self.cu_seqlens, self.W, 0.35, self.head_windows, paired=True,
+                                          max_seqlen=28)
+        return y.square().mean()
+
+
+def _restricted_steps(monkeypatch, write_table):
+    """Five mode-2 steps in the forward_backward region; before step 2 the calibration's choice arrives
+    through `write_table(model, codes)`, outside the region (as CalibrationState.finish writes it)."""
+    from perf import attention_backends
+    from perf.backend import use_backend
+    from perf.windowed_backward import windowed_attention_forward
+
+    class NumericFA3:
+        def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                   softmax_scale, window_size, return_attn_probs=False):
+            out, lse = windowed_attention_forward(q, k, v, cu_seqlens_q, softmax_scale, window_size[0])
+            return (out, lse) if return_attn_probs else out
+
+    monkeypatch.setattr(attention_backends, "_fa3_interface", NumericFA3())
+    model = RestrictedAttentionToy()
+    checker = ContractChecker(lambda: module_state(model))
+    grads = []
+    with use_backend(attention="fa3", host_checks=False):
+        for step in range(5):
+            if step == 2:
+                write_table(model, torch.tensor(CODES, dtype=torch.int32))
+            model.x.copy_(_toy_input(step))
+            model.w.grad = None if step == 0 else model.w.grad.zero_()  # zeroed in place: the same .grad
+            with checker.region("forward_backward", "mode 2"):
+                model(model.x).backward()
+            grads.append(model.w.grad.clone())
+    return checker, grads
+
+
+CODES = (4, -1, 0)  # the "calibrated" table written before step 2
+
+
+def _toy_input(step):
+    return torch.randn(RestrictedAttentionToy.T, 8, generator=torch.Generator().manual_seed(step))
+
+
+def _twin_gradient(codes, step):
+    """The toy's weight gradient at `step` through the portable twin with the table `codes` (sdpa backend)."""
+    model = RestrictedAttentionToy()
+    model.head_windows.copy_(torch.tensor(codes, dtype=torch.int32))
+    model(_toy_input(step)).backward()
+    return model.w.grad
+
+
+def test_the_restricted_attention_step_keeps_the_contract_with_its_table_written_in_place(monkeypatch):
+    """The table written in place between steps (as the calibration writes it after step 593): no host sync,
+    no moved storage, no baked scalar, the same ops each call; and the gradients before and after the write
+    are the portable twin's with the table each step had (the op reads the table, it does not bake it)."""
+    checker, grads = _restricted_steps(monkeypatch, lambda model, codes: model.head_windows.copy_(codes))
+    assert checker.violations == []
+    for step, codes in ((1, (-1, -1, -1)), (2, CODES), (4, CODES)):
+        torch.testing.assert_close(grads[step], _twin_gradient(codes, step), rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(grads[2], _twin_gradient((-1, -1, -1), 2), rtol=1e-3, atol=1e-6)
+
+
+def test_a_table_replaced_instead_of_written_in_place_is_caught(monkeypatch):
+    """A new tensor for the table (what a replayed graph would never see) is caught as moved storage."""
+    def replace(model, codes):
+        model.head_windows = codes
+
+    checker, _ = _restricted_steps(monkeypatch, replace)
+    assert any(m.startswith("head_windows:") for m in messages(checker, "storage moved")), checker.violations

@@ -58,7 +58,7 @@ long_runs.register("smoke_cross_compile",
 # cold cache whose common kernels build once (CI time: three processes before, 2026-12-06). It exits 1: the
 # scale-view case must fail, naming its op; every other row must pass.
 SM90_FUNCTIONS = ("raw_scaled_mm_slot_view", "mlp_scaled_mm_slot_view", "doc_copy_matcher_and_copy_vector",
-                  "cplm_head_and_mixture_loss")
+                  "cplm_head_and_mixture_loss", "restricted_attention_paired")
 long_runs.register("sm90_functions",
                    lambda folder: [[sys.executable, "-m", "tools.cross_compile",
                                     *(f"--function={CASES}:{name}" for name in SM90_FUNCTIONS)]],
@@ -215,6 +215,18 @@ def test_cplm_compiles_for_sm90_with_its_pointer_kernels_and_the_gathering_ce():
     assert int(project) >= 5 and int(cubins) >= int(inductor) + int(project), out[-2000:]
     for kernel in ("_copy_pointer_fwd_kernel", "_copy_pointer_dq_kernel", "_copy_pointer_dk_kernel"):
         assert kernel in out, out[-2000:]
+
+@pytest.mark.slow
+def test_the_restricted_attention_backward_compiles_for_sm90_as_two_opaque_ops():
+    """PR #371's mode 2 on the fa3 backend at the record's paired widths, forward and backward, cross-compiled
+    for SM90: FA3's forward with its LSE and the restricted backward are the graph's two extern calls, as the
+    hub FA3 is in the stock graphs (the extern line is the run's union: the other cases call neither op)."""
+    out, _, (seconds, inductor, project, cubins, extern) = _sm90_function("restricted_attention_paired")
+    assert int(extern) == 2 and int(cubins) >= int(inductor), out[-2000:]
+    externs = re.search(r"extern calls: (.*)", out).group(1)
+    assert {"torch.ops.speedrun.restricted_attention_fwd.default",
+            "torch.ops.speedrun.restricted_attention_bwd.default"} <= set(externs.split(", ")), externs
+
 
 @pytest.mark.slow
 def test_an_l40s_compiles_flex_attention_and_the_fp8_mlp_with_one_pipeline_stage():
