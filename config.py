@@ -607,6 +607,14 @@ PROPOSALS = {
         "approx_backward", "PR #371", "ApproximateBackward: a sampled lm_head dW and shortened attention backwards",
         ("approx_lm_head_grad", "approx_attention_backward"), 1122,
         "39.583 ± 0.266 s (12 runs) vs 40.342 ± 0.184 s for #360 (6 runs, same node), val 3.278705"),
+    # ours, not a PR: every proposal above at once. No one has run it, so no step count is known: it starts
+    # from the fewest base steps any of its PRs ran (CPLM's 978) and its step count is a flag
+    # (--set schedule.base_steps=N; records.certify --steps-sweep finds the fewest that still meet the bar)
+    "stack": Proposal(
+        "stack", "PRs #375 + #378 + #379 + #371 (ours: never run upstream)",
+        "the stack: token-normalized hashes, DocCopy, CPLM and ApproximateBackward together",
+        ("token_norm_hashes", "doc_copy", "cplm", "approx_lm_head_grad", "approx_attention_backward"), 978,
+        "none: no PR ran the stack; each part's claim is its own proposal's"),
 }
 
 

@@ -337,7 +337,8 @@ class CountedRestrictedAttention:
         self.layer_of = {id(table): layer for layer, table in tables.items()}
         self.codes = codes
 
-    def __call__(self, q, k, v, cu_seqlens, window, softmax_scale, head_windows, paired=False):
+    def __call__(self, q, k, v, cu_seqlens, window, softmax_scale, head_windows, paired=False, max_seqlen=None):
+        # max_seqlen: the FA3 op's launch bound (model/attention.py passes it since the FA3 path): no work of its own
         forward, _ = attention_flops(self.cu, window, q.shape[1], q.shape[2], v.shape[2], paired)
         cu = [2 * int(c) for c in self.cu] if paired else [int(c) for c in self.cu]
         lengths = [b - a for a, b in zip(cu, cu[1:])]

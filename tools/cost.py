@@ -3,6 +3,8 @@
     python -m tools.cost --config record                 # per geometry, per optimizer phase, the schedule's floor
     python -m tools.cost --config dev --world-size 1
     python -m tools.cost --config smoke
+    python -m tools.cost --config record --proposal cplm  # and the PR's time predicted on the record's measured one
+    python -m tools.cost --frontier                      # every proposal predicted, one table (docs/frontier.md)
 
 Everything is counted on "meta" (no allocation, seconds) from the project's own code, at one rank's
 shapes (`runtime.meta_rank.build_rank_on_meta`: the run itself, built on "meta"), by `FlopCounter`, a
@@ -38,6 +40,16 @@ savings taken off; communication at the NVLink bandwidth one GPU sends; overlapp
 at the fp32 CUDA-core peak (`tf32_matmuls`: nothing enables TF32). It leaves out kernel launch gaps,
 the host, the warmup, validation, and everything a kernel does below its peak.
 
+A change priced on the record measured: record #360's log gives each schedule stretch's ms/step
+(`stretches`: its stages, stage 2 cut where its softmax width changes; tools/record_timing.py), and the
+floor per step there a ratio per stretch (1.28× to 1.58×: what the floor leaves out, as the record ran
+it). With --proposal or --set on the record preset's 8 ranks a run is predicted as Σ over its stretches
+of its steps × its floor ms/step × the record's ratio for the stretch of the same index, plus the
+record's one-off start and end: the record's time plus the floor's change, scaled stretch by stretch.
+`--frontier` prints that for every proposal beside its PR's claim (docs/frontier.md). What a change does
+to the terms the floor leaves out (work that runs further below its peak than the step's average,
+launches it adds or removes) no ratio of the record's can know.
+
 The run's own tokens/s, MFU and peak fraction (`RunCost`, the device peaks) live in
 runtime/throughput.py and the counter (`FlopCounter`, `geometry_cost`) in runtime/op_count.py, which
 this tool shares: the run imports neither the optimizer's phases, the bytes sent nor the floors.
@@ -47,16 +59,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import re
+import sys
 from unittest import mock
 
 import torch
 
-from cli import parse_preset_args
-from config import RUN_PRESETS, RunConfig
+from cli import exit_on_config_error, parse_preset_args
+from config import RUN_PRESETS, ConfigError, RunConfig
 from runtime.meta_rank import build_rank_on_meta, each_with_progress, geometries, print_progress, standin_collectives
 from runtime.op_count import (KINDS, FlopCounter, GeometryCost, Traffic, fused_kernels, geometry_cost, pointer_kernels,
                                pointer_tiles)
 from runtime.throughput import GEMM_KINDS, H100_SXM, H200_SXM, DevicePeak, mfu, tf32_matmuls
+from tools.record_timing import RECORD_360, StretchTimes
 
 
 
@@ -433,7 +448,9 @@ def cplm_schedule_lines(cost: ScheduleCost, peak: DevicePeak, steps, fused_floor
     return lines
 
 
-def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> str:
+def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM, calibration: Calibration | None = None) -> str:
+    """The report; with `calibration` (the record preset on its 8 ranks) the record per stretch and, for a
+    change (--proposal, --set), its time predicted on the record's measured one."""
     cfg, W = cost.cfg, cost.world_size
     n = len({s for g in cost.geometries for s in g.steps})
     off, added = cfg.features.off(), cfg.features.added()
@@ -527,6 +544,10 @@ def format_cost(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> str:
     lines += cplm_schedule_lines(cost, peak, steps, overlapped["fused"])
     if W < cfg.virtual_world_size:
         lines += _fewer_gpus_lines(cost, steps)
+    if calibration is not None:
+        lines += calibration_lines(calibration, peak)
+        if cfg != RUN_PRESETS["record"]:
+            lines += prediction_lines(predict(cost, calibration, peak))
     lines.append("  left out: launch gaps, the host, the warmup and validation (off the clock), kernels below "
                  "peak, fusion beyond single-reader chains, the ids' host exchange, the one-off untie")
     return "\n".join(lines)
@@ -557,6 +578,248 @@ def _fewer_gpus_lines(cost: ScheduleCost, steps) -> list[str]:
     return lines
 
 
+# ----------------------------------------------------------------------------------------------------
+# the record's measured time per stretch: a change priced as a delta on it
+# ----------------------------------------------------------------------------------------------------
+
+def stretches(schedule_cfg) -> list[range]:
+    """The schedule's stretches, in order: its stages, a stage cut again where its sampled-softmax width
+    changes (record: 0-319, 320-680, 681-964, 965-1106, 1107-1173, 1174-1193), the split of record #360's
+    log (tools/record_timing.py). Cut by the widths the stages declare whatever features.sampled_softmax
+    says, so an ablation keeps the record's stretches and maps onto them by index."""
+    from optim.schedule import TrainingSchedule
+
+    schedule = TrainingSchedule(schedule_cfg)  # every feature on: each declared width
+    key = [(schedule.span(s).index, schedule.softmax_p(s)) for s in range(schedule.total_steps)]
+    cuts = [0] + [s for s in range(1, len(key)) if key[s] != key[s - 1]]
+    return [range(a, b) for a, b in zip(cuts, cuts[1:] + [len(key)])]
+
+
+def stretch_floors(cost: ScheduleCost, peak: DevicePeak = H100_SXM) -> list[tuple[range, float]]:
+    """(stretch, its fused floor in ms per step): each step's overlapped floor (max of compute and
+    communication, `ScheduleCost.floor`), its own geometry and optimizer phase, averaged over the stretch."""
+    return [(r, 1000 * sum(max(cost.floor(s, peak, "fused")) for s in r) / len(r))
+            for r in stretches(cost.cfg.schedule)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Record #360's measured ms/step per stretch (its log, tools/record_timing.py) held against its fused
+    floor per step there: the ratio says how far above the floor each stretch ran (launch gaps, the host,
+    kernels below peak, all that the floor leaves out), stretch by stretch rather than one figure."""
+    floor_ms: tuple[float, ...]  # the record's floor, ms per step, per stretch (`stretch_floors`)
+    measured: StretchTimes
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        return tuple(m / f for m, f in zip(self.measured.ms_per_step, self.floor_ms))
+
+    @property
+    def fixed_ms(self) -> float:
+        """The clock's one-off costs (the run's start, the terminal ships): no step count scales them."""
+        return self.measured.start_ms + self.measured.end_ms
+
+
+def calibrate(record: ScheduleCost, peak: DevicePeak = H100_SXM, measured: StretchTimes = RECORD_360) -> Calibration:
+    """The record preset's cost (8 ranks) against `measured`: their stretches must be the same steps."""
+    floors = stretch_floors(record, peak)
+    if tuple(len(r) for r, _ in floors) != measured.steps:
+        raise ValueError(f"the record preset's stretches have {[len(r) for r, _ in floors]} steps and record "
+                         f"#360's log {list(measured.steps)}: the schedule changed under RECORD_360 "
+                         f"(tools/record_timing.py)")
+    return Calibration(tuple(f for _, f in floors), measured)
+
+
+def predict_ms(steps, floor_ms, ratios, fixed_ms: float) -> float:
+    """A run's predicted time: Σ over stretches of its steps × its floor ms/step × the record's ratio
+    there, plus the record's one-off costs. The record itself gets its measured time back exactly."""
+    return sum(n * f * r for n, f, r in zip(steps, floor_ms, ratios)) + fixed_ms
+
+
+# a claim's "T ± s s ... vs B ± b s" (the ± optional), as config.PROPOSALS writes them
+_CLAIM = re.compile(r"^([\d.]+)(?: ± ([\d.]+))? s\b.*? vs ([\d.]+)(?: ± ([\d.]+))? s\b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A PR's measured time against the record measured on its own node (config.PROPOSALS' claim): nodes
+    differ (the record's own 39.9 s ran elsewhere), so a prediction is held against its delta and ratio."""
+    seconds: float
+    spread: float | None  # the ± it states: its runs' spread; None where it states none
+    baseline: float
+    baseline_spread: float | None
+
+    @property
+    def delta(self) -> float:
+        return self.seconds - self.baseline
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.baseline
+
+    @property
+    def delta_spread(self) -> float | None:
+        """The spread of one run's difference, the two ± combined (√(s² + b²)); None without both."""
+        if self.spread is None or self.baseline_spread is None:
+            return None
+        return (self.spread ** 2 + self.baseline_spread ** 2) ** 0.5
+
+
+def parse_claim(text: str) -> Claim | None:
+    """'36.009 ± 0.039 s (8 runs) vs 40.575 ± 0.024 s for #360 ...' → Claim; None for a claim with no
+    time ("none: ..."; the stack)."""
+    m = _CLAIM.match(text)
+    if m is None:
+        return None
+    return Claim(*(float(g) if g is not None else None for g in m.groups()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """One run priced on the record's measured time, per stretch."""
+    label: str
+    stretches: tuple[range, ...]
+    floor_ms: tuple[float, ...]  # its own floor per step, per stretch
+    calibration: Calibration
+    claim: Claim | None = None
+    pr: str = ""
+
+    @property
+    def seconds(self) -> float:
+        c = self.calibration
+        return predict_ms([len(r) for r in self.stretches], self.floor_ms, c.ratios, c.fixed_ms) / 1000
+
+    @property
+    def delta(self) -> float:
+        """Predicted minus record #360's measured time (its log's run)."""
+        return self.seconds - self.calibration.measured.total_ms / 1000
+
+    @property
+    def floor_seconds(self) -> float:
+        return sum(len(r) * f for r, f in zip(self.stretches, self.floor_ms)) / 1000
+
+
+def predict(cost: ScheduleCost, calibration: Calibration, peak: DevicePeak = H100_SXM,
+            label: str | None = None) -> Prediction:
+    """`cost` (the record preset with --proposal and --set applied, 8 ranks) priced per stretch on the
+    record's ratios; a proposal's claim kept where nothing was --set on top of it."""
+    from config import PROPOSALS
+
+    cfg = cost.cfg
+    floors = stretch_floors(cost, peak)
+    if len(floors) != len(calibration.floor_ms):
+        raise ConfigError(f"--set/--proposal: the schedule has {len(floors)} stretches "
+                         f"({', '.join(f'{r.start}-{r.stop - 1}' for r, _ in floors)}) and record #360's log "
+                         f"{len(calibration.floor_ms)}: its ratios map onto the record's stage table only")
+    proposal = PROPOSALS.get(cfg.proposal)
+    claim = parse_claim(proposal.claim) if proposal is not None and not cfg.overrides else None
+    label = label or (cfg.proposal or cfg.name) + ("".join(f" --set {a}" for a in cfg.overrides))
+    return Prediction(label, tuple(r for r, _ in floors), tuple(f for _, f in floors), calibration, claim,
+                      proposal.pr if proposal is not None else "")
+
+
+def _signed(x: float, digits: int = 2) -> str:
+    return f"{x:+.{digits}f}".replace("-", "−")
+
+
+def _record_ranges(measured: StretchTimes) -> list[range]:
+    ends = [0]
+    for n in measured.steps:
+        ends.append(ends[-1] + n)
+    return [range(a, b) for a, b in zip(ends, ends[1:])]
+
+
+def calibration_lines(calibration: Calibration, peak: DevicePeak = H100_SXM) -> list[str]:
+    """The record per stretch: steps, floor ms/step, measured ms/step (its log), their ratio."""
+    m = calibration.measured
+    lines = [f"  record #360 per stretch on 8× {peak.name}: the floor (fused, overlapped, each step's own "
+             f"optimizer phase) against its log's measured ms/step (tools/record_timing.py)",
+             f"  {'steps':>11} {'n':>5} {'floor ms/step':>14} {'measured ms/step':>17} {'ratio':>6}"]
+    for r, f, ms, ratio in zip(_record_ranges(m), calibration.floor_ms, m.ms_per_step, calibration.ratios):
+        lines.append(f"  {r.start:>5}-{r.stop - 1:<5} {len(r):>5} {f:>14.2f} {ms:>17.2f} {ratio:>6.3f}")
+    floor = sum(n * f for n, f in zip(m.steps, calibration.floor_ms))
+    lines.append(f"  one-off on the clock: {m.start_ms:.0f} ms at the start, {m.end_ms:.0f} ms after the last "
+                 f"step; the run: floor {floor / 1000:.2f} s, measured {m.total_ms / 1000:.3f} s "
+                 f"({m.total_ms / floor:.3f}× on the whole)")
+    return lines
+
+
+def prediction_lines(p: Prediction) -> list[str]:
+    """One run predicted per stretch, its delta on the record and, for a proposal, its PR's claim."""
+    c = p.calibration
+    lines = [f"  predicted for {p.label}: per stretch, its steps × its floor ms/step × the record's ratio there, "
+             f"plus the record's one-off {c.fixed_ms / 1000:.2f} s",
+             f"  {'steps':>11} {'n':>5} {'floor ms/step':>14} {'ratio':>6} {'predicted ms/step':>18}"
+             f" {'record n':>9} {'record ms/step':>15}"]
+    for r, f, ratio, n, ms in zip(p.stretches, p.floor_ms, c.ratios, c.measured.steps, c.measured.ms_per_step):
+        lines.append(f"  {r.start:>5}-{r.stop - 1:<5} {len(r):>5} {f:>14.2f} {ratio:>6.3f} {f * ratio:>18.2f}"
+                     f" {n:>9} {ms:>15.2f}")
+    record = c.measured.total_ms / 1000
+    lines.append(f"  predicted {p.seconds:.3f} s: record #360's measured {record:.3f} s {_signed(p.delta, 3)} s "
+                 f"({p.seconds / record:.3f}×)")
+    if p.claim is not None:
+        k = p.claim
+        error = p.delta - k.delta
+        spread = k.delta_spread
+        verdict = ("the PR states no spread" if spread is None else
+                   f"{'within' if abs(error) <= spread else 'outside'} its spread "
+                   f"(± {spread:.3f} s, its two ± combined)")
+        lines.append(f"  {p.pr} measured {_pm(k.seconds, k.spread)} vs {_pm(k.baseline, k.baseline_spread)} for #360 "
+                     f"on its node: {_signed(k.delta, 3)} s ({k.ratio:.3f}×); our delta misses it by "
+                     f"{_signed(error, 3)} s, {verdict}")
+    return lines
+
+
+def _pm(x: float, spread: float | None, unit: str = " s") -> str:
+    return (f"{x:.3f} ± {spread:.3f}" if spread is not None else f"{x:.3f}") + unit
+
+
+def frontier_predictions(assignments=(), progress=None, peak: DevicePeak = H100_SXM) -> list[Prediction]:
+    """The record and every proposal (config.PROPOSALS) on the record preset's 8 ranks, `assignments`
+    (--set) applied to each, priced on the record's ratios: one count per run."""
+    from cli import preset_run_config
+    from config import PROPOSALS
+
+    record = schedule_cost(preset_run_config("record", list(assignments)), progress=progress)
+    plain = record if not assignments else schedule_cost(RUN_PRESETS["record"], progress=progress)
+    calibration = calibrate(plain, peak)
+    found = [predict(record, calibration, peak)]
+    for name in PROPOSALS:
+        cost = schedule_cost(preset_run_config("record", list(assignments), name), progress=progress)
+        found.append(predict(cost, calibration, peak))
+    return found
+
+
+def format_frontier(predictions: list[Prediction], peak: DevicePeak = H100_SXM) -> str:
+    """One table: each run's steps, floor and predicted time, its delta on the record, and the PR's claim
+    against its own baseline with how far our delta misses it."""
+    c = predictions[0].calibration
+    record = c.measured.total_ms / 1000
+    lines = [f"the frontier on 8× {peak.name}: each run priced on record #360's measured time per stretch "
+             f"({record:.3f} s, its log; tools/record_timing.py), Σ steps × floor ms/step × the record's ratio, "
+             f"plus its one-off {c.fixed_ms / 1000:.2f} s",
+             "ratios per stretch: " + ", ".join(f"{r.start}-{r.stop - 1} {x:.3f}"
+                                                 for r, x in zip(_record_ranges(c.measured), c.ratios)),
+             "",
+             f"{'run':<18} {'steps':>5} {'floor s':>8} {'predicted s':>11} {'Δ s':>7} {'ratio':>6}   "
+             f"{'PR measured s':>16} {'PR baseline s':>16} {'PR Δ s':>7} {'PR ratio':>8} {'Δ error s':>9}  "
+             f"within spread"]
+    for p in predictions:
+        row = (f"{p.label:<18} {sum(len(r) for r in p.stretches):>5} {p.floor_seconds:>8.2f} {p.seconds:>11.3f} "
+               f"{_signed(p.delta, 3):>7} {p.seconds / record:>6.3f}")
+        k = p.claim
+        if k is not None:
+            spread = k.delta_spread
+            error = p.delta - k.delta
+            within = "-" if spread is None else f"{'yes' if abs(error) <= spread else 'no'} (± {spread:.3f})"
+            row += (f"   {_pm(k.seconds, k.spread, ''):>16} {_pm(k.baseline, k.baseline_spread, ''):>16} "
+                    f"{_signed(k.delta, 3):>7} {k.ratio:>8.3f} {_signed(error, 3):>9}  {within}")
+        lines.append(row)
+    lines.append("Δ: predicted − the record's measured; PR Δ: the PR's mean − #360's on the PR's node; Δ error: "
+                 "Δ − PR Δ; within spread: |Δ error| ≤ √(s² + b²) of the PR's two ±")
+    return "\n".join(lines)
+
+
 def _all_matrix_params(cost: ScheduleCost) -> int:
     """Every parameter in a matrix except the lookup tables: what 6·N·T counted before it counted use."""
     from model.summary import build_on_meta
@@ -568,12 +831,34 @@ def _all_matrix_params(cost: ScheduleCost) -> int:
 
 
 def main(argv=None) -> None:
-    args = parse_preset_args("python -m tools.cost", __doc__.split("\n\n")[0], argv, RUN_PRESETS,
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --frontier is this tool's alone: taken out before the shared preset flags are parsed
+    frontier = "--frontier" in argv
+    argv = [a for a in argv if a != "--frontier"]
+    prog = "python -m tools.cost"
+    args = parse_preset_args(prog, __doc__.split("\n\n")[0], argv, RUN_PRESETS,
                              world_size_help="processes (default: the preset's ranks, 8 for record and dev; "
                                              "2 for smoke)",
                              ranks_of=lambda name: RUN_PRESETS[name].virtual_world_size)
-    cfg = args.run_config  # the preset, --set applied (e.g. --set features.sampled_softmax=false)
-    print(format_cost(schedule_cost(cfg, args.world_size, progress=print_progress)))
+    cfg = args.run_config  # the preset, --proposal and --set applied (e.g. --set features.sampled_softmax=false)
+    if frontier:
+        with exit_on_config_error(prog):
+            wrong = [f"--config {args.config}" if args.config != "record" else "",
+                     f"--proposal {args.proposal}" if args.proposal else "",
+                     f"--world-size {args.world_size}" if args.world_size not in (None, 8) else ""]
+            if any(wrong):
+                raise ConfigError([f"--frontier: {w}: the frontier prices every proposal on the record preset's 8 "
+                                   f"ranks, where record #360's log calibrates it; drop {w}" for w in wrong if w])
+        print(format_frontier(frontier_predictions(args.assignments, progress=print_progress)))
+        return
+    cost = schedule_cost(cfg, args.world_size, progress=print_progress)
+    calibration = None
+    if cfg.name == "record" and cost.world_size == cfg.virtual_world_size:
+        # the record's log calibrates 8 ranks of the record preset; a change needs the record counted too
+        record = cost if cfg == RUN_PRESETS["record"] else schedule_cost(RUN_PRESETS["record"], progress=print_progress)
+        calibration = calibrate(record)
+    with exit_on_config_error(prog):  # a schedule the record's stretches do not map onto: one line, exit 2
+        print(format_cost(cost, calibration=calibration))
 
 
 if __name__ == "__main__":

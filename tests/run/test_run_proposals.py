@@ -1,7 +1,9 @@
 """The proposals past the record (config.PROPOSALS, `train_gpt.py --proposal NAME`): each is its PR's features
-and schedule in one flag; DocCopy alone is refused; and the fast path's CPU proofs hold with every frontier
-switch on (DocCopy on token-normalized hashes, CPLM, and the sampled lm_head gradient of ApproximateBackward
-from step 17: one run proves them all, so CI pays for one): a
+and schedule in one flag; DocCopy alone is refused; and the fast path's CPU proofs hold with the stack, every
+frontier switch on (`--proposal stack`: DocCopy on token-normalized hashes, CPLM, the sampled lm_head gradient
+of ApproximateBackward from step 17, and its attention switch, whose calibration (smoke: 31-32) lies past these
+19 steps: its modes 1 and 2 are proved by tests/run/test_run_features.py and the hand-measured run of
+docs/features.md; one run proves the rest, so CI pays for one): a
 compiled (aot_eager, fullgraph), CUDA-graph-captured (the CPU twin checks every replay against eager,
 bitwise) smoke run under the sync check traces every graph in its warmup, none after, and never syncs a
 step; its validation prints CPLM's diagnostics. Its own file: its run is long (about 120 s alone)."""
@@ -25,14 +27,12 @@ PROOF_ENV = {"SPEEDRUN_COMPILE": "1", "SPEEDRUN_COMPILE_BACKEND": "aot_eager", "
 
 def _proof_commands(folder):
     """The embedded corpus, then 19 smoke steps (two geometries across the first stage transition at 17,
-    Adam and table steps, the exact and the delayed fp8 refreshes) with --proposal doc_copy, CPLM and the
-    sampled lm_head gradient on, compiled and captured, validating at the end only (CI time)."""
+    Adam and table steps, the exact and the delayed fp8 refreshes) of --proposal stack, compiled and captured,
+    validating at the end only (CI time)."""
     data = folder / "synthetic"
     return [[sys.executable, "-c", "import sys; from data.synthetic import write_corpus; "
              "write_corpus(sys.argv[1], progress=False)", str(data)],
-            [sys.executable, "train_gpt.py", "--config", "smoke", "--proposal", "doc_copy", "--set", "features.cplm=true",
-             "--set", "features.approx_lm_head_grad=true",
-             "--data-path", str(data),
+            [sys.executable, "train_gpt.py", "--config", "smoke", "--proposal", "stack", "--data-path", str(data),
              "--records-dir", str(folder / "records"), "--seed", "0", "--max-steps", "19", "--val-every", "0",
              "--val-tokens", "2048", "--log-train-loss"]]
 
@@ -58,7 +58,11 @@ def test_a_proposal_is_its_prs_features_and_base_steps_and_the_flags_still_win()
     with pytest.raises(ConfigError, match="invalid choice: 'docopy'"):
         train_gpt.parse_args(["--proposal", "docopy"])
     assert {name: p.base_steps for name, p in PROPOSALS.items()} == {"token_norm_hashes": 1107, "doc_copy": 1060, "cplm": 978,
-                                                                      "approx_backward": 1122}
+                                                                      "approx_backward": 1122, "stack": 978}
+    # the stack (ours): every proposal's features, CPLM's 978 base steps until a sweep says otherwise
+    cfg, _ = train_gpt.parse_args(["--proposal", "stack", "--steps", "1000"])
+    assert (cfg.schedule.base_steps, set(cfg.features.added())) == (1000, set().union(
+        *(p.features for name, p in PROPOSALS.items() if name != "stack")))
     cfg, _ = train_gpt.parse_args(["--proposal", "approx_backward"])  # PR #371: both parts, the record's 1194 steps
     assert (cfg.schedule, cfg.features.added()) == (ScheduleConfig(), ["approx_lm_head_grad", "approx_attention_backward"])
 
@@ -83,15 +87,14 @@ def test_the_proposals_compile_capture_and_never_sync():
     code, out, _, folder = long_runs.result("proposal_run")
     assert code == 0, out[-8000:]
     (entry,) = _runs(folder / "records")
-    assert entry["status"] == "finished" and entry["proposal"] == "doc_copy" and entry["steps"] == 19
+    assert entry["status"] == "finished" and entry["proposal"] == "stack" and entry["steps"] == 19
     lines = open(entry["log_path"]).read().splitlines()  # (the embedded source is matched out: whole lines)
     first = next(i for i, line in enumerate(lines) if line.startswith("config smoke:"))
     head = lines[first:next(i for i, line in enumerate(lines) if line.startswith("[schedule] stage ends"))]
-    assert head[1].startswith("proposal doc_copy: PR #378 (on PR #375), DocCopy") and \
-        "features on: token_norm_hashes, doc_copy" in head[1]
-    assert head[2] == "config overrides: --set features.cplm=true --set features.approx_lm_head_grad=true", head
+    assert head[1].startswith("proposal stack: PRs #375 + #378 + #379 + #371 (ours: never run upstream)") and \
+        "features on: token_norm_hashes, doc_copy, cplm, approx_lm_head_grad, approx_attention_backward" in head[1]
     assert re.match(r"features: token_norm_hashes on \(.*\), doc_copy on \(.*\), cplm on \(.*\), "
-                    r"approx_lm_head_grad on \(", head[3]), head
+                    r"approx_lm_head_grad on \(.*\), approx_attention_backward on \(", head[2]), head
     assert ("token_norm: 32,980 classes over GPT-2's 50,257 ids, 17,277 remapped, sha256 79fb57ac259495ba36f1afb9b0"
             "d5da35f3048b5067fa59c101d5a3c1ed15c2a2") in "\n".join(head)
     log = "\n".join(lines[first:])

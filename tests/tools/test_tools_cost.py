@@ -1,7 +1,8 @@
 """tools/cost.py: the FLOP counter against hand formulas, its bytes against a hand-counted graph, the
 attention's pairs against a brute-force mask, the optimizer's collectives against the banks' sizes, the
 smoke model's GEMMs against 6·N·T, the datasheet peaks, the roofline, tokens/s, MFU and the peak fraction,
-CPLM's pointer kernels against a brute-force loop over their tiles."""
+CPLM's pointer kernels against a brute-force loop over their tiles; the record's per-stretch times from a
+made-up log by hand, a prediction against its hand-written sum, the record predicting itself, the printed lines."""
 import pytest
 import torch
 
@@ -405,3 +406,146 @@ def test_the_restricted_attention_backward_is_priced_by_each_heads_window(smoke_
     assert skipped > 0
     assert stock.flops["attention"] - g.flops["attention"] == skipped * A
     assert stock.flops["attention recompute"] - g.flops["attention recompute"] == skipped_recompute * A
+
+
+# ----------------------------------------------------------------------------------------------------
+# the record's measured time per stretch (tools/record_timing.py) and a change priced on it
+# ----------------------------------------------------------------------------------------------------
+
+def test_stretch_times_split_a_made_up_log_by_hand():
+    """Stretches ending at steps done [0, 5, 12], a line every 2 steps: steps run at 2 then 5 ms, the clock
+    starts with 7 ms of one-off work, the crossing interval (4, 6] takes 9 ms (not 2 + 5) and the final line
+    holds 11 ms after the last step. The rates come from the lines inside each stretch (2→4: 2 ms; 6→12:
+    5 ms); the crossing 9 ms splits 2 : 5 by step × rate; every millisecond lands once."""
+    from tools.record_timing import interior_rates, stretch_times
+
+    points = [(2, 11), (4, 15), (6, 24), (8, 34), (10, 44), (12, 54)]
+    assert interior_rates(points, [0, 5, 12]) == [2.0, 5.0]
+    t = stretch_times(points, [0, 5, 12], final_ms=65)
+    assert t.steps == (5, 7)
+    assert t.start_ms == pytest.approx(7.0) and t.end_ms == pytest.approx(11.0)
+    assert t.ms_per_step[0] == pytest.approx((4 + 4 + 9 * 2 / 7) / 5)
+    assert t.ms_per_step[1] == pytest.approx((9 * 5 / 7 + 30) / 7)
+    assert t.total_ms == pytest.approx(65.0)
+    with pytest.raises(ValueError, match="stretch 0 .* holds 1 logged point"):
+        interior_rates([(4, 15), (6, 24), (8, 34)], [0, 5, 8])
+
+
+def test_the_record_log_figures_and_the_record_schedules_stretches():
+    """RECORD_360 covers record #360's stretches (the record preset's stage ends and its stage-2 width change
+    at 965) and adds up to its log's final train_time, 39,846 ms, to the constants' rounding."""
+    from tools.record_timing import RECORD_360
+
+    spans = cost.stretches(RUN_PRESETS["record"].schedule)
+    assert [(r.start, r.stop) for r in spans] == [(0, 320), (320, 681), (681, 965), (965, 1107), (1107, 1174),
+                                                  (1174, 1194)]
+    assert tuple(len(r) for r in spans) == RECORD_360.steps
+    assert RECORD_360.total_ms == pytest.approx(39_846, abs=0.01)
+
+
+class _FakeCost:
+    """A ScheduleCost's `cfg` and `floor`, no counting: each step's (compute, communication) seconds made up."""
+
+    def __init__(self, cfg, floor_of_step):
+        self.cfg, self.floor_of_step = cfg, floor_of_step
+
+    def floor(self, step, peak, with_bytes="fused"):
+        return self.floor_of_step(step)
+
+
+def test_a_prediction_is_steps_times_floor_times_the_records_ratio():
+    """By hand: a made-up record of 2 stretches (5 and 7 steps, floors 2 and 4 ms/step, measured 3 and 5,
+    one-off 7 + 11 ms) has ratios 1.5 and 1.25; a run of 3 and 4 steps at floors 2 and 5 ms/step is
+    predicted at 3·2·1.5 + 4·5·1.25 + 18 = 52 ms."""
+    from tools.record_timing import StretchTimes
+
+    assert cost.predict_ms((3, 4), (2.0, 5.0), (1.5, 1.2), 10.0) == pytest.approx(3 * 2 * 1.5 + 4 * 5 * 1.2 + 10)
+    calibration = cost.Calibration((2.0, 4.0), StretchTimes((5, 7), (3.0, 5.0), 7.0, 11.0))
+    assert calibration.ratios == pytest.approx((1.5, 1.25)) and calibration.fixed_ms == 18.0
+    run = cost.Prediction("run", (range(0, 3), range(3, 7)), (2.0, 5.0), calibration)
+    assert run.seconds == pytest.approx((3 * 2 * 1.5 + 4 * 5 * 1.25 + 18) / 1000)
+    assert run.delta == pytest.approx(run.seconds - (5 * 3 + 7 * 5 + 18) / 1000)
+
+
+def test_the_record_predicts_its_own_measured_time_exactly():
+    """By construction: its ratios are its measured ms/step over its own floors, so its steps × floors ×
+    ratios give back the measured time, whatever the floors are (made up here: the wiring through
+    `stretch_floors`, the overlapped max of each step's compute and communication, `calibrate`, `predict`)."""
+    import dataclasses
+
+    from config import ConfigError
+    from tools.record_timing import RECORD_360
+
+    record = _FakeCost(RUN_PRESETS["record"], lambda s: (1e-3 * (10 + s % 7), 1e-3 * (s % 3) * 6))
+    calibration = cost.calibrate(record)
+    first = [max(10 + s % 7, (s % 3) * 6) for s in range(320)]
+    assert calibration.floor_ms[0] == pytest.approx(sum(first) / 320)
+    p = cost.predict(record, calibration)
+    assert p.seconds * 1000 == pytest.approx(RECORD_360.total_ms, rel=1e-12)
+    assert p.delta == pytest.approx(0, abs=1e-12)
+    # a schedule with other stretches than the log's cannot be calibrated on it, nor predicted on its ratios
+    with pytest.raises(ValueError, match="the schedule changed under RECORD_360"):
+        cost.calibrate(_FakeCost(RUN_PRESETS["smoke"], lambda s: (1e-3, 0.0)))
+    schedule = RUN_PRESETS["record"].schedule
+    one_width = tuple(dataclasses.replace(st, softmax_p=st.softmax_p[:1]) for st in schedule.stages)
+    cfg = dataclasses.replace(RUN_PRESETS["record"], schedule=dataclasses.replace(schedule, stages=one_width))
+    with pytest.raises(ConfigError, match=r"--set/--proposal: the schedule has 5 stretches \(0-319, 320-680, "
+                                          r"681-1106, .* record #360's log 6"):
+        cost.predict(_FakeCost(cfg, lambda s: (1e-3, 0.0)), calibration)
+
+
+def test_the_proposals_claims_parse():
+    from config import PROPOSALS
+
+    claims = {name: cost.parse_claim(p.claim) for name, p in PROPOSALS.items()}
+    assert claims["cplm"] == cost.Claim(36.009, 0.039, 40.575, 0.024)
+    assert claims["token_norm_hashes"] == cost.Claim(40.588, None, 41.008, None)
+    assert claims["stack"] is None
+    assert claims["cplm"].delta == pytest.approx(-4.566)
+    assert claims["cplm"].delta_spread == pytest.approx((0.039 ** 2 + 0.024 ** 2) ** 0.5)
+    assert claims["token_norm_hashes"].delta_spread is None
+
+
+def test_the_printed_prediction_of_one_proposal():
+    """The per-stretch lines and the claim's line for --proposal cplm, on made-up floors (each stretch's
+    record floor + 1 ms/step) and the record's log: their format, and the numbers they must show."""
+    from config import PROPOSALS
+    from tools.record_timing import RECORD_360
+
+    cfg = PROPOSALS["cplm"].apply(RUN_PRESETS["record"])
+    calibration = cost.Calibration((10.0, 20.0, 30.0, 30.0, 30.0, 10.0), RECORD_360)
+    ranges = cost.stretches(cfg.schedule)
+    floors = {s: f + 1 for r, f in zip(ranges, calibration.floor_ms) for s in r}
+    p = cost.predict(_FakeCost(cfg, lambda s: (floors[s] / 1000, 0.0)), calibration)
+    assert p.label == "cplm" and p.pr == "PR #379"
+    lines = cost.prediction_lines(p)
+    assert lines[0] == ("  predicted for cplm: per stretch, its steps × its floor ms/step × the record's ratio there, "
+                        "plus the record's one-off 0.37 s")
+    assert lines[1].split() == ["steps", "n", "floor", "ms/step", "ratio", "predicted", "ms/step", "record", "n",
+                                "record", "ms/step"]
+    ratio = RECORD_360.ms_per_step[0] / 10.0
+    assert lines[2] == (f"      0-278     279          11.00 {ratio:>6.3f} {11 * ratio:>18.2f}       320 "
+                        f"{RECORD_360.ms_per_step[0]:>15.2f}")
+    assert len(lines) == 2 + 6 + 2
+    # by hand: Σ steps × (record floor + 1) × measured / record floor, plus the one-off start and end
+    predicted = (sum(len(r) * (f + 1) * m / f for r, f, m in zip(ranges, calibration.floor_ms, RECORD_360.ms_per_step))
+                 + RECORD_360.start_ms + RECORD_360.end_ms) / 1000
+    delta = predicted - RECORD_360.total_ms / 1000
+    assert lines[-2] == (f"  predicted {predicted:.3f} s: record #360's measured 39.846 s {delta:+.3f} s "
+                         f"({predicted / 39.846004:.3f}×)").replace("-", "−")
+    error = f"{delta + 4.566:+.3f}".replace("-", "−")
+    assert lines[-1] == ("  PR #379 measured 36.009 ± 0.039 s vs 40.575 ± 0.024 s for #360 on its node: −4.566 s "
+                         f"(0.887×); our delta misses it by {error} s, outside its spread (± 0.046 s, its two ± "
+                         f"combined)")
+    row = cost.format_frontier([p]).splitlines()[-2]  # --frontier's row for it
+    assert row.startswith(f"cplm                1050 {p.floor_seconds:>8.2f} {predicted:>11.3f} ")
+    assert "36.009 ± 0.039   40.575 ± 0.024  −4.566    0.887" in row and row.endswith("no (± 0.046)")
+
+
+def test_the_frontier_flag_refuses_other_presets_and_proposals(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cost.main(["--frontier", "--config", "smoke", "--proposal", "cplm"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--frontier: --config smoke: the frontier prices every proposal on the record preset's 8 ranks" in err
+    assert "--frontier: --proposal cplm:" in err
