@@ -1,16 +1,26 @@
-"""Certify a change: interleaved baseline and candidate runs on one machine, every run counted.
+"""Certify a change: interleaved runs of a baseline and one or more sides on one machine, every run counted.
 
     python -m records.certify [--baseline REV] [--candidate REV] --runs N [--nproc P] [--name NAME]
         [--baseline-args ARGS] [--candidate-args ARGS] [--baseline-env NAME=VALUE]...
-        [--candidate-env NAME=VALUE]... [--out DIR] [--resume] [--dry-run] -- TRAIN_GPT_ARGS...
+        [--candidate-env NAME=VALUE]... [--side NAME [--side-rev NAME=REV] [--side-args NAME=ARGS]
+        [--side-env NAME=VAR=VALUE]...]... [--steps-sweep N1,N2,...] [--out DIR] [--resume] [--dry-run]
+        -- TRAIN_GPT_ARGS...
 
-Each side (baseline, candidate) is a revision (default HEAD), train_gpt.py arguments of its own
-(`--candidate-args "--set features.ngram=false"`: split like a shell line, appended after
-TRAIN_GPT_ARGS, so a side's flag wins over a shared one) and environment variables of its own
-(`--candidate-env SPEEDRUN_CUDA_GRAPHS=0`, repeatable, set over certify's environment). So an
-ablation is one command on one revision:
+Each side is a revision (default HEAD), train_gpt.py arguments of its own (`--candidate-args "--set
+features.ngram=false"`: split like a shell line, appended after TRAIN_GPT_ARGS, so a side's flag
+wins over a shared one) and environment variables of its own (`--candidate-env
+SPEEDRUN_CUDA_GRAPHS=0`, repeatable, set over certify's environment). So an ablation is one command
+on one revision:
 `python -m records.certify --runs 5 --candidate-args "--set features.ngram=false" -- --data-path D`.
-Two sides that are the same (revision, arguments and environment) are refused: nothing to compare.
+
+The baseline is every other side's reference. Besides the candidate, `--side NAME` (repeatable)
+adds a side labelled NAME, with `--side-rev NAME=REV`, `--side-args NAME=ARGS` and `--side-env
+NAME=VAR=VALUE` for its revision, arguments and environment; with --side, the candidate runs only
+where a --candidate flag names it. `--steps-sweep N1,N2,...` runs the candidate at each base step
+count instead (train_gpt.py --steps N, which sets schedule.base_steps: the stage ends are built
+from it), each count a side labelled stepsN, and the write-up names the fewest steps whose runs
+meet upstream's loss bar. Two sides that are the same (revision, arguments and the environment
+their runs see) are refused, naming both: nothing to compare.
 
 Upstream's bar for a record is many independent runs whose mean val loss is below 3.28 at p < 0.01,
 and a time comparison against the baseline on the same machine. Done by hand it goes wrong in known
@@ -19,14 +29,14 @@ runs quietly left out. This runs the experiment the way upstream PR #366 did (12
 interleaved on one node):
 
   * one detached `git worktree` per side, in a temporary folder outside the checkout (removed
-    at the end, also after an error or Ctrl-C); both read the same shards (`--data-path` made
-    absolute against the current folder; a certification without --data-path or DATA_PATH is
-    refused, since the preset's default folder is git-ignored and so absent from a worktree);
-  * runs interleaved baseline, candidate, baseline, ... (N of each), each
+    at the end, also after an error or Ctrl-C); every side reads the same shards (`--data-path`
+    made absolute against the current folder; a certification without --data-path or DATA_PATH
+    is refused, since the preset's default folder is git-ignored and so absent from a worktree);
+  * runs interleaved round-robin, baseline, side 1, side 2, ..., baseline, ... (N of each), each
     `SIDE_ENV python -m torch.distributed.run --standalone --nproc_per_node=P train_gpt.py
-    TRAIN_GPT_ARGS SIDE_ARGS --label baseline|candidate --records-dir DIR` inside its side's
-    worktree, so every run lands in DIR/runs.jsonl (`label` names its side, `overrides` holds the
-    --set flags it ran with) and DIR/logs/;
+    TRAIN_GPT_ARGS SIDE_ARGS --label SIDE --records-dir DIR` inside its side's worktree, so every
+    run lands in DIR/runs.jsonl (`label` names its side, `overrides` holds the --set flags it ran
+    with) and DIR/logs/;
   * unseeded: `--seed` in TRAIN_GPT_ARGS or a side's args (TRAIN_SEED in the environment or a
     side's) is refused, because runs from one seed repeat one initialization and are not
     independent samples;
@@ -40,13 +50,14 @@ interleaved on one node):
     differs from the ledger's.
 
 At the end it writes DIR/statistics.md (each side's revision, arguments and environment, the
-machine, run order, per-group statistics from records.report, the verdict against upstream's bar),
-DIR/runs.tsv (which log is which run), DIR/statistics.py (recomputes statistics.md's run table,
-statistics and verdict from the logs and runs.tsv alone: standard library, scipy for the p-values)
-DIR/curves.png (the finished runs' loss curves, one colour per side: records.report --curves; shown in
-statistics.md and README.md) and DIR/README.md (the skeleton of an upstream write-up with the
-commands to reproduce). `--dry-run`
-prints every run's command and folder and runs nothing.
+machine, run order, each side's statistics from records.report, its Welch tests against the
+baseline and its verdict against upstream's bar; for a sweep, the fewest steps), DIR/runs.tsv
+(which log is which run), DIR/statistics.py (recomputes statistics.md's run table, statistics,
+verdicts and fewest steps from the logs and runs.tsv alone: standard library, scipy for the
+p-values), DIR/curves.png (the finished runs' loss curves, one colour per side: records.report
+--curves; shown in statistics.md and README.md) and DIR/README.md (the skeleton of an upstream
+write-up with the commands to reproduce). `--dry-run` prints every run's command and folder, in
+the order they would run, and runs nothing.
 """
 from __future__ import annotations
 
@@ -68,11 +79,11 @@ from records import report
 from records import statistics as statistics_page  # the folder's statistics.py, and statistics.md's layout
 from records.run_log import parse_log
 from records.runs_log import read_runs
-from records.statistics import LABELS
+from records.statistics import BASELINE
 LEDGER_NAME = "certify.json"
 ORDER_NAME = "runs.tsv"
-LEDGER_VERSION = 1
-TSV_COLUMNS = ("index", "label", "commit", "status", "run_id", "log")
+LEDGER_VERSION = 2  # 2: plan["sides"], any number of them (1: plan["baseline"], plan["candidate"])
+TSV_COLUMNS = ("index", "label", "commit", "status", "run_id", "log", "steps")
 CURVES_NAME = "curves.png"  # ours: the write-up's picture of the runs' loss curves
 README_PLACEHOLDER = "**The change.** (describe it; link the upstream PR)"
 
@@ -93,13 +104,14 @@ def git(args: list[str], cwd: Path) -> str:
     return res.stdout.strip()
 
 
-def resolve_revision(repo: Path, rev: str, flag: str) -> dict:
+def resolve_revision(repo: Path, rev: str, what: str) -> dict:
+    """rev's commit and subject; `what` names the flag that gave it in the refusal (--baseline 'main')."""
     try:
         commit = git(["rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], repo)
     except CertifyError:
         commit = ""
     if not commit:
-        raise CertifyError(f"{flag} {rev!r} is not a commit of the repository at {repo} (expected a branch, "
+        raise CertifyError(f"{what} is not a commit of the repository at {repo} (expected a branch, "
                            f"tag, commit hash or HEAD~k)")
     return {"rev": rev, "commit": commit, "subject": git(["log", "-1", "--format=%s", commit], repo)}
 
@@ -140,8 +152,10 @@ def run_process(cmd: list[str], cwd: Path, env: dict, out_path: Path) -> int:
 
 
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# what no side may set in its own environment: the seed (not independent runs), the shards (both sides
-# read the same ones: --data-path once, after `--`)
+# a side's name labels its runs (runs.jsonl, the tables) and names its files (worktree, console/NN-NAME.txt)
+SIDE_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,39}")
+# what no side may set in its own environment: the seed (not independent runs), the shards (every side
+# reads the same ones: --data-path once, after `--`)
 SIDE_ENV_FORBIDDEN = ("TRAIN_SEED", "DATA_PATH")
 
 
@@ -158,11 +172,26 @@ def _refuse_certify_flags(args: list[str], where: str) -> None:
         for flag in ("--label", "--records-dir"):
             if _spells(arg, flag):
                 raise CertifyError(f"{where} must not hold {arg.split('=', 1)[0]} ({flag}): certify sets it for "
-                                   f"every run (--label baseline|candidate, --records-dir --out DIR)")
+                                   f"every run (--label SIDE, --records-dir --out DIR)")
         if _spells(arg, "--seed"):
             raise CertifyError(f"{where} must not hold {arg.split('=', 1)[0]} (--seed): runs from one seed repeat "
                                f"one initialization, so they are not independent runs and their p-values mean "
                                f"nothing; certify runs unseeded, as upstream's record runs are")
+
+
+def refuse_steps(args: list[str], where: str) -> None:
+    """With --steps-sweep, which gives each side `--steps N`: refuses a step count of the user's own, which
+    would fight it (train_gpt.py applies --set after --steps, so `--set schedule.base_steps` would win)."""
+    for i, arg in enumerate(args):
+        if _spells(arg, "--steps"):
+            raise CertifyError(f"{where} must not hold {arg.split('=', 1)[0]} (--steps) with --steps-sweep: the "
+                               f"sweep gives each of its sides --steps N")
+        value = arg.split("=", 1)[1] if arg.startswith("--set=") else (
+            args[i + 1] if arg == "--set" and i + 1 < len(args) else "")
+        if value.split("=", 1)[0].strip() == "schedule.base_steps":
+            raise CertifyError(f"{where} must not hold --set {value} with --steps-sweep: the sweep gives each of "
+                               f"its sides --steps N, and train_gpt.py applies --set after --steps, so it would "
+                               f"run every side at one step count")
 
 
 def check_train_args(train_args: list[str], cwd: Path, env: dict) -> list[str]:
@@ -190,8 +219,8 @@ def check_train_args(train_args: list[str], cwd: Path, env: dict) -> list[str]:
     if data_path is None:
         if not env.get("DATA_PATH"):
             raise CertifyError("pass --data-path DIR after `--` (or set DATA_PATH): the presets' default shard "
-                               "folders are git-ignored, so a fresh worktree of a revision has none, and both "
-                               "revisions must read the same shards")
+                               "folders are git-ignored, so a fresh worktree of a revision has none, and every "
+                               "side must read the same shards")
         out += ["--data-path", str((cwd / env["DATA_PATH"]).resolve())]
     if not Path(out[out.index("--data-path") + 1]).is_dir():
         raise CertifyError(f"--data-path {out[out.index('--data-path') + 1]} is not a folder (expected the "
@@ -199,19 +228,19 @@ def check_train_args(train_args: list[str], cwd: Path, env: dict) -> list[str]:
     return out
 
 
-def check_side(label: str, args: list[str], side_env: dict) -> None:
-    """Refuses what a side's own arguments and environment must not set."""
-    _refuse_certify_flags(args, f"--{label}-args")
-    for arg in args:
+def check_side(spec: dict) -> None:
+    """Refuses what a side's own arguments and environment must not set (spec: as side_specs makes it)."""
+    _refuse_certify_flags(spec["args"], spec["args_flag"])
+    for arg in spec["args"]:
         if _spells(arg, "--data-path"):
-            raise CertifyError(f"--{label}-args must not hold {arg.split('=', 1)[0]} (--data-path): both sides "
-                               f"read the same shards; give --data-path once, after `--`")
+            raise CertifyError(f"{spec['args_flag']} must not hold {arg.split('=', 1)[0]} (--data-path): every "
+                               f"side reads the same shards; give --data-path once, after `--`")
     for name in SIDE_ENV_FORBIDDEN:
-        if name in side_env:
-            raise CertifyError(f"--{label}-env {name}=...: a side must not set {name} "
+        if name in spec["env"]:
+            raise CertifyError(f"{spec['env_flag']}{name}=...: a side must not set {name} "
                                + ("(one seed: the runs would not be independent; certify runs unseeded)"
                                   if name == "TRAIN_SEED" else
-                                  "(both sides read the same shards: --data-path once, after `--`)"))
+                                  "(every side reads the same shards: --data-path once, after `--`)"))
 
 
 def side_words(side: dict) -> list[str]:
@@ -219,44 +248,83 @@ def side_words(side: dict) -> list[str]:
     return [f"{k}={v}" for k, v in side["env"].items()] + side["args"]
 
 
-def make_plan(repo: Path, baseline: str, candidate: str, runs: int, nproc: int, name: str,
-              train_args: list[str], sides: dict | None = None, env: dict | None = None) -> dict:
-    """sides: label -> {"args": [...], "env": {NAME: VALUE}} (none: the revision alone);
-    env: certify's environment, under each side's (two sides are the same if their runs see the same)."""
-    sides, env = sides or {}, env or {}
-    plan = {"name": name, "repo": str(repo), "runs_per_group": runs, "nproc": nproc, "train_args": train_args}
-    for label in LABELS:
-        own = sides.get(label, {})
-        plan[label] = {**resolve_revision(repo, {"baseline": baseline, "candidate": candidate}[label], f"--{label}"),
-                       "args": list(own.get("args", [])), "env": dict(own.get("env", {}))}
-        check_side(label, plan[label]["args"], plan[label]["env"])
-    b, c = plan["baseline"], plan["candidate"]
-    names = set(b["env"]) | set(c["env"])
-    seen = [{k: side["env"].get(k, env.get(k)) for k in names} for side in (b, c)]  # the values a run sees
-    if b["commit"] == c["commit"] and b["args"] == c["args"] and seen[0] == seen[1]:
-        own = f"; both with {shlex.join(side_words(b))!r}" if side_words(b) else ""
-        raise CertifyError(f"--baseline {baseline!r} and --candidate {candidate!r} are the same commit "
-                           f"{b['commit']}{own}, and the sides differ in no argument or environment variable: "
-                           f"nothing to compare (an ablation: --candidate-args \"--set ...\" or "
-                           f"--candidate-env NAME=VALUE)")
-    plan["order"] = [LABELS[i % 2] for i in range(2 * runs)]
-    return plan
+def side_specs(args: argparse.Namespace) -> list[dict]:
+    """Every side of the command line, in run order: the baseline; the candidate (with --side, only where
+    a --candidate flag names it), or with --steps-sweep one side per step count, the candidate's revision,
+    arguments and environment with `--steps N` appended; then each --side. A spec: label, rev, args, env,
+    steps (a sweep's N, or None) and the flags that set them, for the refusals to name."""
+    def spec(label, rev, rev_text, args_flag, env_flag, own, steps=None):
+        return {"label": label, "rev": rev, "rev_text": rev_text, "args_flag": args_flag, "env_flag": env_flag,
+                "args": list(own["args"]), "env": dict(own["env"]), "steps": steps}
+    specs = [spec("baseline", args.baseline, f"--baseline {args.baseline!r}", "--baseline-args", "--baseline-env ",
+                  args.sides["baseline"])]
+    candidate = spec("candidate", args.candidate, f"--candidate {args.candidate!r}", "--candidate-args",
+                     "--candidate-env ", args.sides["candidate"])
+    if args.steps_sweep:
+        specs += [dict(candidate, label=f"steps{n}", args=[*candidate["args"], "--steps", str(n)], steps=n)
+                  for n in args.steps_sweep]
+    elif args.candidate_named or not args.more_sides:
+        specs.append(candidate)
+    for name, own in args.more_sides.items():
+        specs.append(spec(name, own["rev"], f"--side {name} (revision {own['rev']!r})", f"--side-args {name}",
+                          f"--side-env {name}=", own))
+    return specs
+
+
+def _seen_env(side: dict, other: dict, env: dict) -> dict:
+    """The values a side's runs see of the variables either side sets: its own, else certify's."""
+    return {k: side["env"].get(k, env.get(k)) for k in set(side["env"]) | set(other["env"])}
+
+
+def make_plan(repo: Path, specs: list[dict], runs: int, nproc: int, name: str, train_args: list[str],
+              env: dict | None = None) -> dict:
+    """specs: side_specs; env: certify's environment, under each side's (two sides are the same if their
+    runs see the same)."""
+    env = env or {}
+    sides, texts, commits = {}, {}, {}
+    for spec in specs:
+        check_side(spec)
+        if spec["rev"] not in commits:  # a sweep's sides share one revision
+            commits[spec["rev"]] = resolve_revision(repo, spec["rev"], spec["rev_text"])
+        sides[spec["label"]] = {**commits[spec["rev"]], "args": spec["args"], "env": spec["env"]}
+        if spec["steps"] is not None:
+            sides[spec["label"]]["steps"] = spec["steps"]
+        texts[spec["label"]] = spec["rev_text"]
+    labels = list(sides)
+    for i, a in enumerate(labels):  # every pair: two copies of one side would compare nothing
+        for b in labels[i + 1:]:
+            x, y = sides[a], sides[b]
+            if x["commit"] == y["commit"] and x["args"] == y["args"] and _seen_env(x, y, env) == _seen_env(y, x, env):
+                own = f"; both with {shlex.join(side_words(x))!r}" if side_words(x) else ""
+                hint = ("--candidate-args \"--set ...\" or --candidate-env NAME=VALUE" if b == "candidate" else
+                        "a step count of its own" if y.get("steps") else
+                        f"--side-args {b}=\"--set ...\" or --side-env {b}=NAME=VALUE")
+                raise CertifyError(f"{texts[a]} and {texts[b]} are the same commit {x['commit']}{own}, and the "
+                                   f"sides {a} and {b} differ in no argument or environment variable: nothing to "
+                                   f"compare (an ablation gives {b} {hint})")
+    return {"name": name, "repo": str(repo), "runs_per_group": runs, "nproc": nproc, "train_args": train_args,
+            "sides": sides, "order": [label for _ in range(runs) for label in labels]}
 
 
 def train_command(plan: dict, label: str, out_dir: Path) -> list[str]:
     """The command of one run of side `label` (its environment: run_env)."""
-    return [*launcher_command(plan["nproc"]), "train_gpt.py", *plan["train_args"], *plan[label]["args"],
+    return [*launcher_command(plan["nproc"]), "train_gpt.py", *plan["train_args"], *plan["sides"][label]["args"],
             "--label", label, "--records-dir", str(out_dir)]
 
 
 def run_env(plan: dict, label: str, env: dict) -> dict:
     """The environment of one run of side `label`: certify's, with the side's variables set over it."""
-    return {**env, **plan[label]["env"]}
+    return {**env, **plan["sides"][label]["env"]}
 
 
 def shell_line(plan: dict, label: str, out_dir: Path) -> str:
     """One run of side `label` as a shell line: NAME=VALUE ... python -m torch.distributed.run ..."""
-    return shlex.join([f"{k}={v}" for k, v in plan[label]["env"].items()] + train_command(plan, label, out_dir))
+    return shlex.join([f"{k}={v}" for k, v in plan["sides"][label]["env"].items()]
+                      + train_command(plan, label, out_dir))
+
+
+def worktree_name(plan: dict, label: str) -> str:
+    return f"{label}-{plan['sides'][label]['commit'][:12]}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -283,14 +351,27 @@ def load_ledger(out_dir: Path) -> dict:
         ledger = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise CertifyError(f"--resume: cannot read the ledger {path}: {e}") from e
+    if ledger.get("version") == 1:  # two sides, plan["baseline"] and plan["candidate"]: the same runs, read on
+        plan = ledger["plan"]
+        plan["sides"] = {label: plan.pop(label) for label in ("baseline", "candidate")}
+        ledger["version"] = LEDGER_VERSION
     if ledger.get("version") != LEDGER_VERSION:
-        raise CertifyError(f"--resume: {path} has version {ledger.get('version')!r}, expected {LEDGER_VERSION}")
+        raise CertifyError(f"--resume: {path} has version {ledger.get('version')!r}, expected {LEDGER_VERSION} "
+                           f"(or 1, which is read): written by another records/certify.py; resume it with that one")
     return ledger
 
 
 def plan_differences(old: dict, new: dict) -> list[str]:
-    keys = [k for k in sorted(set(old) | set(new)) if k != "repo"]
-    return [f"{k}: ledger {old.get(k)!r}, now {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+    """What a --resume would change: one line per differing key, per side for the sides (the order is
+    theirs and the runs', so it is left out)."""
+    out = []
+    for k in sorted((set(old) | set(new)) - {"repo", "order"}):
+        a, b = old.get(k), new.get(k)
+        if k == "sides" and isinstance(a, dict) and isinstance(b, dict) and list(a) == list(b):
+            out += [f"side {label}: ledger {a[label]!r}, now {b[label]!r}" for label in a if a[label] != b[label]]
+        elif a != b:
+            out.append(f"{k}: ledger {a!r}, now {b!r}")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -361,7 +442,7 @@ def run_one(index: int, plan: dict, out_dir: Path, worktree: Path, env: dict) ->
     if log is None:  # died before writing its log: its console output is its log
         log = _unused(logs_dir / f"certify-{index + 1:02d}-{label}.txt")
         text = console.read_text(encoding="utf-8", errors="replace") if console.is_file() else ""
-        atomic_write(log, f"# console output of run {index + 1} ({label}, commit {plan[label]['commit']}), "
+        atomic_write(log, f"# console output of run {index + 1} ({label}, commit {plan['sides'][label]['commit']}), "
                           f"exit code {rc}: the run died before writing its run log\n{text}")
     vals = parse_log(log.read_text(encoding="utf-8", errors="replace")).vals
     if interrupted:
@@ -378,7 +459,7 @@ def run_one(index: int, plan: dict, out_dir: Path, worktree: Path, env: dict) ->
         if not vals and rec is not None and rec.get("status") == "finished":
             why.append("no val_loss line in its log")
         error = "; ".join(why) or "failed"
-    entry = {"index": index, "label": label, "commit": plan[label]["commit"], "status": status,
+    entry = {"index": index, "label": label, "commit": plan["sides"][label]["commit"], "status": status,
              "run_id": run_id, "log": _relative(log, out_dir), "console": _relative(console, out_dir), "returncode": rc,
              "started": started.isoformat(timespec="seconds"), "seconds": round(seconds, 1), "error": error,
              "device": rec.get("device") if rec else None,
@@ -396,44 +477,65 @@ def run_one(index: int, plan: dict, out_dir: Path, worktree: Path, env: dict) ->
 def slot_rows(ledger: dict) -> list[dict]:
     """One row per planned run in order: its outcome, or status `pending`."""
     by_index = {r["index"]: r for r in ledger["runs"]}
-    plan = ledger["plan"]
-    return [by_index.get(i, {"index": i, "label": label, "commit": plan[label]["commit"], "status": "pending",
+    sides = ledger["plan"]["sides"]
+    return [by_index.get(i, {"index": i, "label": label, "commit": sides[label]["commit"], "status": "pending",
                              "run_id": None, "log": None, "val_loss": None, "train_time_ms": None})
-            for i, label in enumerate(plan["order"])]
+            for i, label in enumerate(ledger["plan"]["order"])]
 
 
 def write_order_tsv(out_dir: Path, ledger: dict) -> None:
-    """runs.tsv: which log is which run (planned runs in order, then interrupted attempts)."""
+    """runs.tsv: which log is which run (planned runs in order, then interrupted attempts), and a step
+    sweep's step count (what statistics.py needs to name the fewest steps)."""
+    sides = ledger["plan"]["sides"]
     lines = ["\t".join(TSV_COLUMNS)]
     for r in slot_rows(ledger) + ledger["interrupted_attempts"]:
         lines.append("\t".join([str(r["index"] + 1), r["label"], r["commit"], r["status"],
-                                r.get("run_id") or "-", r.get("log") or "-"]))
+                                r.get("run_id") or "-", r.get("log") or "-",
+                                str(sides[r["label"]].get("steps") or "-")]))
     atomic_write(out_dir / ORDER_NAME, "\n".join(lines) + "\n")
 
 
-def render_results(rows: list[dict], attempts: list[dict], runs_per_group: int) -> str:
-    """The run table, statistics and verdict of statistics.md: the numbers from records.report, the
-    page from statistics.py's own `render` (one layout and one verdict for both, so the standalone
-    script prints exactly these sections from the logs)."""
-    groups, stats, data = {}, {}, {}
-    for label in LABELS:
+def render_results(rows: list[dict], attempts: list[dict], plan: dict) -> str:
+    """The run table, statistics, verdicts (and a sweep's fewest steps) of statistics.md: the numbers
+    from records.report, the page from statistics.py's own `render` (one layout and one verdict for
+    both, so the standalone script prints exactly these sections from the logs)."""
+    def finished(label):
+        fin = [r for r in rows if r["label"] == label and r["status"] == "finished"]
+        return [r["val_loss"] for r in fin], [r["train_time_ms"] / 1000 for r in fin]
+
+    base = finished(BASELINE)
+    sides = []
+    for label, side in plan["sides"].items():
         mine = [r for r in rows if r["label"] == label]
-        fin = [r for r in mine if r["status"] == "finished"]
-        data[label] = ([r["val_loss"] for r in fin], [r["train_time_ms"] / 1000 for r in fin])
-        stats[label] = report.group_stats(*data[label]) if fin else None
-        failed = sum(r["status"] in ("failed", "interrupted") for r in mine)
-        groups[label] = (len(mine), len(fin), failed, report.format_group_cells(stats[label]) if fin else None)
-    comparison_cells = candidate = time_test = None
-    if stats["baseline"] and stats["candidate"]:
-        comparison = report.compare(*data["candidate"], *data["baseline"])
-        comparison_cells = report.format_comparison_cells(comparison)
-        time_test = (comparison.d_time_s, comparison.p_time)
-    if stats["candidate"]:
-        candidate = (stats["candidate"].loss_mean, stats["candidate"].p_below_target)
+        losses, times = finished(label)
+        entry = {"label": label, "steps": side.get("steps"), "planned": len(mine), "finished": len(losses),
+                 "failed": sum(r["status"] in ("failed", "interrupted") for r in mine), "cells": None, "loss": None,
+                 "comparison": None, "time": None}
+        if losses:
+            stats = report.group_stats(losses, times)
+            entry["cells"] = report.format_group_cells(stats)
+            entry["loss"] = (stats.loss_mean, stats.p_below_target)
+            if label != BASELINE and base[0]:
+                comparison = report.compare(losses, times, *base)
+                entry["comparison"] = report.format_comparison_cells(comparison)
+                entry["time"] = (comparison.d_time_s, comparison.p_time)
+        sides.append(entry)
     shown = [dict(r, index=r["index"] + 1) for r in rows]  # the ledger counts from 0, the page from 1
     shown_attempts = [dict(a, index=a["index"] + 1) for a in attempts]
-    return statistics_page.render(shown, shown_attempts, runs_per_group, groups, comparison_cells,
-                                      candidate, time_test) + "\n"
+    return statistics_page.render(shown, shown_attempts, plan["runs_per_group"], sides) + "\n"
+
+
+def verdict_lines(results: str) -> list[str]:
+    """The verdicts (one per side against the baseline, or INCOMPLETE) and a sweep's fewest steps, as
+    render_results wrote them: what the console and README.md's Result repeat."""
+    out, section = [], None
+    for line in results.splitlines():
+        if line.startswith("## "):
+            section = line[3:]
+        elif (section == "Verdict" and line.startswith(("- ", "**"))) or (section == "Step sweep"
+                                                                         and line.startswith("**")):
+            out.append(line)
+    return out
 
 
 _MACHINE_PREFIXES = ("Running Python", "Running PyTorch", "Running Triton", "Devices:")
@@ -462,12 +564,12 @@ def write_outputs(out_dir: Path, ledger: dict) -> str:
     plan = ledger["plan"]
     rows = slot_rows(ledger)
     write_order_tsv(out_dir, ledger)
-    results = render_results(rows, ledger["interrupted_attempts"], plan["runs_per_group"])
+    results = render_results(rows, ledger["interrupted_attempts"], plan)
     head = [f"# Certification: {plan['name']}", ""]
-    head += [side_line(plan, label) for label in LABELS]
-    head += [f"- {plan['runs_per_group']} runs per side, interleaved, `--nproc_per_node={plan['nproc']}`; "
-             f"train_gpt.py arguments of both sides: `{shlex.join(plan['train_args'])}`", "", "## Machine", "",
-             *machine_lines(out_dir, rows), ""]
+    head += [side_line(plan, label) for label in plan["sides"]]
+    head += [f"- {plan['runs_per_group']} runs per side, interleaved ({', '.join(plan['sides'])}, ...), "
+             f"`--nproc_per_node={plan['nproc']}`; train_gpt.py arguments of every side: "
+             f"`{shlex.join(plan['train_args'])}`", "", "## Machine", "", *machine_lines(out_dir, rows), ""]
     failures = [r for r in ledger["runs"] + ledger["interrupted_attempts"] if r["status"] != "finished"]
     if failures:
         head += ["## Runs that did not finish (counted, never dropped)", ""]
@@ -475,9 +577,9 @@ def write_outputs(out_dir: Path, ledger: dict) -> str:
                  f"(log `{r['log']}`, console `{r['console']}`)"
                  for r in sorted(failures, key=lambda r: (r["index"], r["started"]))]
         head.append("")
-    head += ["Recompute the run table, the statistics and the verdict from the logs alone: "
+    head += ["Recompute the run table, the statistics and the verdicts from the logs alone: "
              "`python statistics.py` in this folder.", ""]
-    curves = write_curves(out_dir, rows)
+    curves = write_curves(out_dir, rows, list(plan["sides"]))
     head += ["## Curves", "", curves, ""]
     text = "\n".join(head) + "\n" + results
     atomic_write(out_dir / "statistics.md", text)
@@ -488,15 +590,15 @@ def write_outputs(out_dir: Path, ledger: dict) -> str:
     return text
 
 
-def write_curves(out_dir: Path, rows: list[dict]) -> str:
-    """DIR/curves.png, the finished runs' loss curves, one colour per side (records.report --curves:
-    the training loss each run read, the val loss where it validated more than once), rewritten with
-    the write-up; returns the Markdown that shows it (or says why there is none)."""
+def write_curves(out_dir: Path, rows: list[dict], labels: list[str]) -> str:
+    """DIR/curves.png, the finished runs' loss curves, one colour per side in run order (records.report
+    --curves: the training loss each run read, the val loss where it validated more than once),
+    rewritten with the write-up; returns the Markdown that shows it (or says why there is none)."""
     runs_path = out_dir / "runs.jsonl"
     finished = {r["run_id"]: r for r in rows if r["status"] == "finished" and r.get("run_id")}
     records = read_runs(runs_path)[0] if runs_path.is_file() else []
     groups: dict[str, list[dict]] = {}
-    for label in LABELS:
+    for label in labels:
         for rec in records:
             row = finished.get(rec.get("run_id"))
             if row is not None and row["label"] == label:  # the log where the ledger has it (moved folders too)
@@ -509,54 +611,70 @@ def write_curves(out_dir: Path, rows: list[dict]) -> str:
         return "(matplotlib is not installed (pip install matplotlib): no curves drawn)"
     train = sum(g.startswith("train") for g in drawn["step"])
     return (f"![loss curves: training loss per run, val loss where a run validated more than once, against step "
-            f"and training time; baseline and candidate in their own colours]({CURVES_NAME})\n\n"
-            f"{train} training curve(s) of {sum(map(len, groups.values()))} finished run(s) "
-            f"(runs without runs.jsonl `train_curve` predate it); `python -m records.report --runs runs.jsonl "
-            f"--group-by label --curves {CURVES_NAME}` redraws it.")
+            f"and training time; one colour per side]({CURVES_NAME})\n\n"
+            f"{train} training curve(s) of {sum(map(len, groups.values()))} finished run(s), one colour per side "
+            f"({', '.join(groups)}; runs without runs.jsonl `train_curve` predate it); `python -m records.report "
+            f"--runs runs.jsonl --group-by label --curves {CURVES_NAME}` redraws it.")
 
 
 def side_line(plan: dict, label: str) -> str:
     """A side as the write-up lists it: revision, and the arguments and environment of its own."""
-    side = plan[label]
+    side = plan["sides"][label]
     args = f"`{shlex.join(side['args'])}`" if side["args"] else "none"
     env = f"`{shlex.join(f'{k}={v}' for k, v in side['env'].items())}`" if side["env"] else "none"
     return (f"- {label}: `{side['commit']}` {side['subject']} (`{side['rev']}`); its own train_gpt.py "
             f"arguments: {args}; its own environment: {env}")
 
 
+def _sweep_template(plan: dict) -> dict | None:
+    """A step sweep's candidate, as --candidate and its flags gave it (its sides' args less `--steps N`)."""
+    swept = [s for s in plan["sides"].values() if s.get("steps")]
+    return dict(swept[0], args=swept[0]["args"][:-2], steps=[s["steps"] for s in swept]) if swept else None
+
+
 def certify_command(plan: dict) -> str:
-    """The command that reruns this certification into OUT_DIR (a shell line, continued over lines)."""
-    first = ["python", "-m", "records.certify", "--baseline", plan["baseline"]["commit"],
-             "--candidate", plan["candidate"]["commit"]]
-    sides = []
-    for label in LABELS:
-        if plan[label]["args"]:
-            sides += [f"--{label}-args", shlex.join(plan[label]["args"])]
-        for k, v in plan[label]["env"].items():
-            sides += [f"--{label}-env", f"{k}={v}"]
-    rest = ["--runs", str(plan["runs_per_group"]), "--nproc", str(plan["nproc"]), "--name", plan["name"],
-            "--out", "OUT_DIR", "--", *plan["train_args"]]
-    return " \\\n    ".join(shlex.join(part) for part in (first, sides, rest) if part)
+    """The command that reruns this certification into OUT_DIR (a shell line, continued over lines: the
+    baseline, then each side)."""
+    def own(flag_args, flag_env, side, prefix=""):
+        words = [flag_args, prefix + shlex.join(side["args"])] if side["args"] else []
+        return words + [w for k, v in side["env"].items() for w in (flag_env, f"{prefix}{k}={v}")]
+    sides = plan["sides"]
+    parts = [["python", "-m", "records.certify", "--baseline", sides[BASELINE]["commit"],
+              *own("--baseline-args", "--baseline-env", sides[BASELINE])]]
+    template = _sweep_template(plan)
+    if template:
+        parts.append(["--candidate", template["commit"], *own("--candidate-args", "--candidate-env", template),
+                      "--steps-sweep", ",".join(map(str, template["steps"]))])
+    elif "candidate" in sides:
+        parts.append(["--candidate", sides["candidate"]["commit"],
+                      *own("--candidate-args", "--candidate-env", sides["candidate"])])
+    for label, side in sides.items():
+        if label not in (BASELINE, "candidate") and "steps" not in side:
+            parts.append(["--side", label, "--side-rev", f"{label}={side['commit']}",
+                          *own("--side-args", "--side-env", side, prefix=f"{label}=")])
+    parts.append(["--runs", str(plan["runs_per_group"]), "--nproc", str(plan["nproc"]), "--name", plan["name"],
+                  "--out", "OUT_DIR", "--", *plan["train_args"]])
+    return " \\\n    ".join(shlex.join(part) for part in parts)
 
 
 def readme_text(plan: dict, out_dir: Path, results: str, curves: str) -> str:
-    verdict_line = results.rstrip().splitlines()[-1]
-    each_run = "\n".join(f"# {label}\n{shell_line(plan, label, out_dir)}" for label in LABELS)
+    verdicts = "\n".join(verdict_lines(results))
+    each_run = "\n".join(f"# {label}\n{shell_line(plan, label, out_dir)}" for label in plan["sides"])
+    sides = "\n".join(side_line(plan, label) for label in [*plan["sides"]][1:] + [BASELINE])  # the change first
     return f"""# {plan['name']}
 
 <!-- Upstream record write-up skeleton (records/track_1_short/<date>_<name>/): say what changed and why. -->
 
 {README_PLACEHOLDER}
 
-{side_line(plan, 'candidate')}
-{side_line(plan, 'baseline')}
+{sides}
 
 ## Result
 
-{verdict_line}
+{verdicts}
 
 {plan['runs_per_group']} runs of each side, interleaved on one machine, unseeded; every run counted.
-Run table, per-group statistics and machine: [statistics.md](statistics.md).
+Run table, per-side statistics and machine: [statistics.md](statistics.md).
 
 {curves}
 
@@ -564,7 +682,7 @@ Run table, per-group statistics and machine: [statistics.md](statistics.md).
 
 ```bash
 git clone <this repository> && cd <it>
-# the shards both sides read (the same folder for both):
+# the shards every side reads (the same folder for all):
 #   {plan['train_args'][plan['train_args'].index('--data-path') + 1]}
 {certify_command(plan)}
 ```
@@ -602,6 +720,9 @@ python statistics.py
 # ------------------------------------------------------------------------------------------------
 
 
+_NEXT_WORD_FLAGS = ("--baseline-args", "--candidate-args", "--side-args")
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         cut = argv.index("--")
@@ -612,7 +733,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     # as a flag without its value
     joined, i = [], 0
     while i < len(argv):
-        if argv[i] in (f"--{label}-args" for label in LABELS) and i + 1 < len(argv):
+        if argv[i] in _NEXT_WORD_FLAGS and i + 1 < len(argv):
             joined.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
         else:
@@ -621,17 +742,37 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     argv = joined
     ap = ArgumentParser(prog="python -m records.certify", description=__doc__.split("\n\n")[0],
                         usage="python -m records.certify [--baseline REV] [--candidate REV] --runs N "
-                              "[--candidate-args ARGS] [--candidate-env NAME=VALUE] [options] -- TRAIN_GPT_ARGS...")
+                              "[--candidate-args ARGS] [--candidate-env NAME=VALUE] [--side NAME "
+                              "[--side-rev NAME=REV] [--side-args NAME=ARGS] [--side-env NAME=VAR=VALUE]]... "
+                              "[--steps-sweep N1,N2,...] [options] -- TRAIN_GPT_ARGS...")
     ap.add_argument("--baseline", default="HEAD",
-                    help="the revision to beat (branch, tag, commit, HEAD~1; default HEAD)")
-    ap.add_argument("--candidate", default="HEAD", help="the revision with the change (default HEAD)")
-    for label in LABELS:
+                    help="the revision to beat, every other side's reference (branch, tag, commit, HEAD~1; "
+                         "default HEAD)")
+    ap.add_argument("--candidate", default=None,
+                    help="the revision with the change (default HEAD); with --side, the candidate runs only "
+                         "where a --candidate flag names it")
+    for label in ("baseline", "candidate"):
         ap.add_argument(f"--{label}-args", default="", metavar="ARGS",
                         help=f"train_gpt.py arguments of the {label}'s runs only, one string split like a shell "
                              f"line and appended after TRAIN_GPT_ARGS (\"--set features.ngram=false\")")
         ap.add_argument(f"--{label}-env", action="append", default=[], metavar="NAME=VALUE",
                         help=f"an environment variable of the {label}'s runs only, set over certify's own "
                              f"(SPEEDRUN_CUDA_GRAPHS=0; repeatable)")
+    ap.add_argument("--side", action="append", default=[], metavar="NAME",
+                    help="a further side, compared with the baseline as the candidate is (repeatable; sides run "
+                         "in the order given, after the baseline and the candidate): its runs' label, letters, "
+                         "digits, '.', '_', '-', starting with a letter; HEAD and nothing of its own unless "
+                         "--side-rev, --side-args, --side-env say otherwise")
+    ap.add_argument("--side-rev", action="append", default=[], metavar="NAME=REV",
+                    help="side NAME's revision (default HEAD)")
+    ap.add_argument("--side-args", action="append", default=[], metavar="NAME=ARGS",
+                    help="side NAME's own train_gpt.py arguments, as --candidate-args (\"cplm=--proposal cplm\")")
+    ap.add_argument("--side-env", action="append", default=[], metavar="NAME=VAR=VALUE",
+                    help="an environment variable of side NAME's runs, as --candidate-env (repeatable)")
+    ap.add_argument("--steps-sweep", default=None, metavar="N1,N2,...",
+                    help="run the candidate at each of these base step counts (train_gpt.py --steps N), each "
+                         "count a side of its own, labelled stepsN, in place of the candidate; the write-up "
+                         "names the fewest steps whose runs meet upstream's loss bar")
     ap.add_argument("--runs", type=int, required=True, help="runs per side (upstream PR #366: 12)")
     ap.add_argument("--nproc", type=int, default=8, help="processes per run (torchrun --nproc_per_node; default 8)")
     ap.add_argument("--name", default=None, help="the write-up's name (default: the sides' short hashes, and "
@@ -645,34 +786,107 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         ap.error(f"--runs {args.runs}: needs at least 2 runs per side for a t-test")
     if args.nproc < 1:
         ap.error(f"--nproc {args.nproc}: needs at least 1 process")
-    args.sides = {}
-    for label in LABELS:
-        text = getattr(args, f"{label}_args")
-        try:
-            words = shlex.split(text)
-        except ValueError as e:
-            ap.error(f"--{label}-args {text!r} does not split like a shell line ({e}); quote it as one string, "
-                     f"e.g. --{label}-args \"--set features.ngram=false\"")
-        env = {}
-        for word in getattr(args, f"{label}_env"):
-            name, eq, value = word.partition("=")
-            if not eq or not ENV_NAME_RE.fullmatch(name):
-                ap.error(f"--{label}-env {word!r}: expected NAME=VALUE, NAME of letters, digits and '_', "
-                         f"not starting with a digit (e.g. SPEEDRUN_CUDA_GRAPHS=0)")
-            if name in env:
-                ap.error(f"--{label}-env sets {name} twice ({name}={env[name]}, {word}): give it once")
-            env[name] = value
-        args.sides[label] = {"args": words, "env": env}
+    # with --side the candidate is one side among others: it runs where a flag of its own names it
+    args.candidate_named = bool(args.candidate is not None or args.candidate_args or args.candidate_env)
+    args.candidate = args.candidate or "HEAD"
+    args.sides = {label: {"args": _split_args(ap, f"--{label}-args", getattr(args, f"{label}_args")),
+                          "env": _parse_env(ap, f"--{label}-env", getattr(args, f"{label}_env"))}
+                  for label in ("baseline", "candidate")}
+    args.more_sides = _parse_more_sides(ap, args)
+    args.steps_sweep = _parse_steps_sweep(ap, args.steps_sweep)
+    if args.steps_sweep and args.more_sides:
+        ap.error(f"--steps-sweep runs the candidate at each step count, and does not combine with --side "
+                 f"({', '.join(args.more_sides)}): certify the other sides in a certification of their own")
     return args, train_args
 
 
+def _split_args(ap: ArgumentParser, flag: str, text: str, prefix: str = "") -> list[str]:
+    """A side's ARGS (after `prefix`, a side's `NAME=`), split like a shell line."""
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        ap.error(f"{flag} {prefix}{text!r} does not split like a shell line ({e}); quote it as one string, "
+                 f"e.g. {flag} \"{prefix}--set features.ngram=false\"")
+
+
+def _parse_env(ap: ArgumentParser, flag: str, words: list[str], prefix: str = "") -> dict:
+    """NAME=VALUE words (each after `prefix`, a side's `NAME=`) as a dict; refuses a malformed or repeated NAME."""
+    env = {}
+    for word in words:
+        name, eq, value = word.partition("=")
+        if not eq or not ENV_NAME_RE.fullmatch(name):
+            ap.error(f"{flag} {prefix}{word!r}: expected {prefix}NAME=VALUE, NAME of letters, digits and '_', "
+                     f"not starting with a digit (e.g. {prefix}SPEEDRUN_CUDA_GRAPHS=0)")
+        if name in env:
+            ap.error(f"{flag} sets {prefix}{name} twice ({name}={env[name]}, {word}): give it once")
+        env[name] = value
+    return env
+
+
+def _parse_more_sides(ap: ArgumentParser, args: argparse.Namespace) -> dict:
+    """--side NAME, with --side-rev/--side-args/--side-env NAME=...: name -> {rev, args, env}, in order."""
+    sides: dict[str, dict] = {}
+    for name in args.side:
+        if not SIDE_NAME_RE.fullmatch(name):
+            ap.error(f"--side {name!r}: a side's name labels its runs and names its files: 1 to 40 letters, "
+                     f"digits, '.', '_' or '-', starting with a letter (e.g. --side cplm)")
+        if name.lower() in ("baseline", "candidate"):
+            ap.error(f"--side {name}: the baseline and the candidate have flags of their own (--{name.lower()}, "
+                     f"--{name.lower()}-args, --{name.lower()}-env); name the side something else")
+        if name.lower() in (s.lower() for s in sides):  # worktree and console names must differ on any disk
+            ap.error(f"--side {name} is given twice (names are compared ignoring case): each side once")
+        sides[name] = {"rev": None, "args": None, "env": []}
+
+    def owner(flag: str, word: str) -> tuple[str, str]:
+        name, eq, rest = word.partition("=")
+        if not eq or name not in sides:
+            known = ", ".join(sides) or "none"
+            what = {"--side-rev": "REV", "--side-args": "ARGS", "--side-env": "VAR=VALUE"}[flag]
+            ap.error(f"{flag} {word!r}: expected NAME={what}, NAME a side that --side NAME declares (sides: {known})")
+        return name, rest
+
+    for flag, key in (("--side-rev", "rev"), ("--side-args", "args")):
+        for word in getattr(args, flag[2:].replace("-", "_")):
+            name, value = owner(flag, word)
+            if sides[name][key] is not None:
+                ap.error(f"{flag} gives side {name} twice: once, e.g. {flag} {name}=...")
+            sides[name][key] = value
+    for word in args.side_env:
+        name, value = owner("--side-env", word)
+        sides[name]["env"].append(value)
+    return {name: {"rev": side["rev"] or "HEAD",
+                   "args": _split_args(ap, "--side-args", side["args"] or "", prefix=f"{name}="),
+                   "env": _parse_env(ap, "--side-env", side["env"], prefix=f"{name}=")}
+            for name, side in sides.items()}
+
+
+def _parse_steps_sweep(ap: ArgumentParser, text: str | None) -> list[int]:
+    if text is None:
+        return []
+    steps = []
+    for word in text.split(","):
+        if not word.strip().isdigit() or int(word) < 1:
+            ap.error(f"--steps-sweep {text!r}: expected base step counts N1,N2,... (positive integers, comma "
+                     f"separated, e.g. --steps-sweep 1050,1100,1122)")
+        if int(word) in steps:
+            ap.error(f"--steps-sweep {text!r} gives {int(word)} twice: each step count once")
+        steps.append(int(word))
+    return steps
+
+
 def default_name(plan: dict) -> str:
-    """BASELINE-vs-CANDIDATE: each side's short hash, then its own environment and arguments, folder-safe."""
+    """BASELINE-vs-CANDIDATE: each side's short hash, then its own environment and arguments, folder-safe;
+    with more sides the sides' names, with a sweep its step counts."""
     def tag(side):
         own = re.sub(r"[^A-Za-z0-9._]+", "-", " ".join(side_words(side))).strip("-._")
         own = own[:60].rstrip("-._")  # ours: a readable folder name; --name for a longer one
         return side["commit"][:8] + (f"_{own}" if own else "")
-    return f"{tag(plan['baseline'])}-vs-{tag(plan['candidate'])}"
+    sides, template = plan["sides"], _sweep_template(plan)
+    if template:
+        return f"{tag(sides[BASELINE])}-vs-{tag(template)}_steps-{'-'.join(map(str, template['steps']))}"[:120]
+    if list(sides) == [BASELINE, "candidate"]:
+        return f"{tag(sides[BASELINE])}-vs-{tag(sides['candidate'])}"
+    return f"{tag(sides[BASELINE])}-vs-{'-'.join(list(sides)[1:])}"[:120]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -683,8 +897,10 @@ def main(argv: list[str] | None = None) -> int:
         repo = Path(git(["rev-parse", "--show-toplevel"], cwd))
         env = dict(os.environ)
         train_args = check_train_args(raw_train_args, cwd, env)
-        plan = make_plan(repo, args.baseline, args.candidate, args.runs, args.nproc, args.name or "", train_args,
-                         args.sides, env)
+        if args.steps_sweep:
+            refuse_steps(train_args, "TRAIN_GPT_ARGS")
+            refuse_steps(args.sides["candidate"]["args"], "--candidate-args")
+        plan = make_plan(repo, side_specs(args), args.runs, args.nproc, args.name or "", train_args, env)
         name = plan["name"] = args.name or default_name(plan)
         if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
             raise CertifyError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
@@ -701,9 +917,10 @@ def main(argv: list[str] | None = None) -> int:
 def warn_uncommitted(repo: Path, plan: dict) -> None:
     """A side at HEAD runs HEAD's commit in a worktree: say so when the checkout has uncommitted changes."""
     head = git(["rev-parse", "HEAD"], repo)
-    at_head = [label for label in LABELS if plan[label]["commit"] == head]
+    at_head = [label for label, side in plan["sides"].items() if side["commit"] == head]
     if at_head and git(["status", "--porcelain", "--untracked-files=no"], repo):
-        print(f"python -m records.certify: note: the checkout has uncommitted changes; the {' and '.join(at_head)} "
+        said = " and ".join(at_head) if len(at_head) < 3 else ", ".join(at_head[:-1]) + " and " + at_head[-1]
+        print(f"python -m records.certify: note: the checkout has uncommitted changes; the {said} "
               f"run{'s' if len(at_head) == 1 else ''} commit {head[:12]} (HEAD) without them: commit them first "
               f"to certify them", file=sys.stderr)
 
@@ -712,10 +929,10 @@ def dry_run(plan: dict, out_dir: Path) -> int:
     print(f"certification {plan['name']} -> {out_dir} (dry run: nothing runs)")
     print("  $WORKTREES: a new temporary folder holding `git worktree add --detach` of each side's revision, "
           "removed at the end")
-    for label in LABELS:
-        print(f"  {side_line(plan, label)[2:]} (worktree: $WORKTREES/{label}-{plan[label]['commit'][:12]})")
+    for label in plan["sides"]:
+        print(f"  {side_line(plan, label)[2:]} (worktree: $WORKTREES/{worktree_name(plan, label)})")
     for i, label in enumerate(plan["order"]):
-        print(f"run {i + 1}/{len(plan['order'])} {label}: cd $WORKTREES/{label}-{plan[label]['commit'][:12]} && "
+        print(f"run {i + 1}/{len(plan['order'])} {label}: cd $WORKTREES/{worktree_name(plan, label)} && "
               f"{shell_line(plan, label, out_dir)}")
     return 0
 
@@ -746,7 +963,8 @@ def certify(plan: dict, out_dir: Path, resume: bool, env: dict) -> int:
     if pending:
         interrupted = _run_pending(plan, ledger, pending, out_dir, env)
     text = write_outputs(out_dir, ledger)
-    print(text.rstrip().splitlines()[-1])
+    for line in verdict_lines(text):
+        print(line)
     print(f"written: {out_dir / 'statistics.md'}, statistics.py, README.md, runs.tsv")
     if interrupted:
         print(f"interrupted: continue with the same command and --resume (ledger {ledger_path})", file=sys.stderr)
@@ -763,8 +981,8 @@ def _run_pending(plan: dict, ledger: dict, pending: list[int], out_dir: Path, en
     worktrees: dict[str, Path] = {}
     try:
         for label in sorted({plan["order"][i] for i in pending}):
-            path = base / f"{label}-{plan[label]['commit'][:12]}"
-            git(["worktree", "add", "--detach", str(path), plan[label]["commit"]], repo)
+            path = base / worktree_name(plan, label)
+            git(["worktree", "add", "--detach", str(path), plan["sides"][label]["commit"]], repo)
             worktrees[label] = path
         total = len(plan["order"])
         with tqdm(total=total, initial=total - len(pending), unit="run", desc="certify",

@@ -5,7 +5,8 @@ shaped like records.runs_log.RunRecord, with a val loss and time that depend on 
 cycle through mean − s, mean, mean + s, so the statistics are deterministic); one revision crashes
 before writing anything; another sleeps until Ctrl-C. An ablation's switches reach it: `--set
 features.ngram=false` adds 0.002 to its val loss and SPEEDRUN_CUDA_GRAPHS=0 100 ms to its time, and
-it records its --set flags in runs.jsonl's `overrides` as train_gpt.py does. The launcher is
+it records its --set flags in runs.jsonl's `overrides` as train_gpt.py does; `--steps N` (a step
+sweep) takes 0.0001 off its val loss per step past 1000 and scales its time by N/1000. The launcher is
 replaced by plain `python` except in the torchrun test.
 """
 import ast
@@ -30,9 +31,12 @@ MEAN_LOSS, MEAN_MS, CRASH, SLEEP = {loss!r}, {ms!r}, {crash!r}, {sleep!r}
 ap = argparse.ArgumentParser()
 ap.add_argument("--label"); ap.add_argument("--records-dir"); ap.add_argument("--data-path")
 ap.add_argument("--max-steps", type=int, default=3)
+ap.add_argument("--steps", type=int, default=None)
 ap.add_argument("--set", action="append", default=[], dest="assignments")
 args, _ = ap.parse_known_args()
 print("fake env SPEEDRUN_CUDA_GRAPHS =", os.environ.get("SPEEDRUN_CUDA_GRAPHS"), flush=True)
+if args.steps is not None:  # a step sweep: 0.0001 less loss per step past 1000, the time in proportion
+    MEAN_LOSS, MEAN_MS = MEAN_LOSS + 0.0001 * (1000 - args.steps), round(MEAN_MS * args.steps / 1000)
 if "features.ngram=false" in args.assignments:
     MEAN_LOSS += 0.002
 if os.environ.get("SPEEDRUN_CUDA_GRAPHS") == "0":
@@ -442,6 +446,34 @@ def test_ablation_without_revisions_runs_head_on_both_sides(toy, monkeypatch, ca
     (["--candidate-args", "--label x"], {}, "--candidate-args must not hold --label (--label)"),
     (["--candidate-env", "TRAIN_SEED=1"], {}, "--candidate-env TRAIN_SEED=...: a side must not set TRAIN_SEED"),
     (["--baseline-env", "DATA_PATH=/tmp"], {}, "a side must not set DATA_PATH"),
+    # many sides: two the same are refused, naming both; a side's name, and flags naming no side
+    (["--side", "a"], {}, "--baseline 'HEAD' and --side a (revision 'HEAD') are the same commit"),
+    (["--side", "a", "--side-args", "a=--set x.y=1", "--side", "b", "--side-args", "b=--set x.y=1"], {},
+     "the sides a and b differ in no argument or environment variable: nothing to compare"),
+    (["--candidate-env", "SPEEDRUN_COMPILE=1", "--side", "c", "--side-env", "c=SPEEDRUN_COMPILE=0"],
+     {"SPEEDRUN_COMPILE": "0"}, "--baseline 'HEAD' and --side c (revision 'HEAD') are the same commit"),
+    (["--side", "a", "--side-rev", "a=no-such-rev"], {}, "--side a (revision 'no-such-rev') is not a commit"),
+    (["--side", "two words"], {}, "--side 'two words': a side's name labels its runs"),
+    (["--side", "Baseline"], {}, "--side Baseline: the baseline and the candidate have flags of their own"),
+    (["--side", "a", "--side", "A"], {}, "--side A is given twice"),
+    (["--side", "a", "--side-args", "b=--set x.y=1"], {}, "--side-args 'b=--set x.y=1': expected NAME=ARGS"),
+    (["--side", "a", "--side-args", "--set x.y=1"], {}, "--side-args '--set x.y=1': expected NAME=ARGS"),
+    (["--side", "a", "--side-env", "a=1X=0"], {}, "--side-env a='1X=0': expected a=NAME=VALUE"),
+    (["--side", "a", "--side-rev", "a=HEAD", "--side-rev", "a=HEAD~1"], {}, "--side-rev gives side a twice"),
+    (["--side", "a", "--side-args", "a=--seed 1"], {}, "--side-args a must not hold --seed (--seed)"),
+    (["--side", "a", "--side-env", "a=TRAIN_SEED=1"], {}, "--side-env a=TRAIN_SEED=...: a side must not set"),
+    # the step sweep: well-formed counts, the candidate alone, no step count of the user's own
+    (["--steps-sweep", "10,x"], {}, "--steps-sweep '10,x': expected base step counts"),
+    (["--steps-sweep", "10,0"], {}, "--steps-sweep '10,0': expected base step counts"),
+    (["--steps-sweep", "10,10"], {}, "--steps-sweep '10,10' gives 10 twice"),
+    (["--steps-sweep", "10,20", "--side", "a"], {}, "--steps-sweep runs the candidate at each step count, and "
+                                                   "does not combine with --side (a)"),
+    (["--steps-sweep", "10,20", "--candidate-args", "--set schedule.base_steps=30"], {},
+     "--candidate-args must not hold --set schedule.base_steps=30 with --steps-sweep"),
+    (["--steps-sweep", "10,20", "--candidate-args", "--ste=5"], {},
+     "--candidate-args must not hold --ste (--steps) with --steps-sweep"),
+    (["--steps-sweep", "10,20", "--baseline-args", "--steps 20"], {},
+     "--baseline 'HEAD' and --candidate 'HEAD' are the same commit"),  # the baseline may set steps: here, the same
 ])
 def test_side_refusals(toy, monkeypatch, capsys, tmp_path, sides, env, needle):
     repo, _ = toy
@@ -460,3 +492,188 @@ def test_a_sides_args_are_the_next_word_whatever_it_looks_like():
     args, _ = certify.parse_args(["--runs", "2", "--candidate-args", "--no-warmup", "--baseline-args", "--val-every=0"])
     assert args.sides == {"baseline": {"args": ["--val-every=0"], "env": {}},
                           "candidate": {"args": ["--no-warmup"], "env": {}}}
+
+
+# ------------------------------------------------------------------------------------------------
+# many sides, and a step sweep: each against the one baseline, interleaved
+# ------------------------------------------------------------------------------------------------
+
+
+def _many_sides(commits):
+    """A baseline and three others: the candidate at --steps 1050, and two sides of the fast revision."""
+    return ["--baseline", commits["baseline"], "--candidate", commits["fast"], "--candidate-args", "--steps 1050",
+            "--side", "ngram", "--side-rev", f"ngram={commits['fast']}", "--side-args", "ngram=--set features.ngram=false",
+            "--side", "graphs", "--side-rev", f"graphs={commits['fast']}", "--side-args", "graphs=--steps 1050",
+            "--side-env", "graphs=SPEEDRUN_CUDA_GRAPHS=0"]
+
+
+def _run(repo, monkeypatch, out, argv, runs=2):
+    monkeypatch.chdir(repo)
+    monkeypatch.delenv("SPEEDRUN_CUDA_GRAPHS", raising=False)
+    return certify.main([*argv, "--runs", str(runs), "--nproc", "1", "--name", "toy", "--out", str(out), "--",
+                         "--data-path", "../shards", "--max-steps", "3"])
+
+
+def _scipy_cells(losses, times, base_losses=None, base_times=None):
+    """The statistics.md cells of one side, from scipy directly: p(loss < 3.28), and against the baseline
+    the Welch p of time and of loss, each as the page prints it."""
+    from scipy import stats
+    cells = {"p": f"{stats.ttest_1samp(losses, 3.28, alternative='less').pvalue:.2e}"}
+    if base_losses is not None:
+        cells["p time"] = f"{stats.ttest_ind(times, base_times, equal_var=False).pvalue:.2e}"
+        cells["p loss"] = f"{stats.ttest_ind(losses, base_losses, equal_var=False).pvalue:.2e}"
+    return cells
+
+
+def test_dry_run_with_three_sides_prints_the_interleaved_order(toy, monkeypatch, capsys, tmp_path):
+    repo, commits = toy
+    out = tmp_path / "cert"
+    assert _run(repo, monkeypatch, out, [*_many_sides(commits), "--dry-run"]) == 0
+    shards, b, f = str((repo.parent / "shards").resolve()), commits["baseline"][:12], commits["fast"][:12]
+    launcher = f"{shlex.quote(sys.executable)} -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt.py"
+    shared, rec = f"--data-path {shards} --max-steps 3", f"--records-dir {out}"
+    expected = {
+        "baseline": f"cd $WORKTREES/baseline-{b} && {launcher} {shared} --label baseline {rec}",
+        "candidate": f"cd $WORKTREES/candidate-{f} && {launcher} {shared} --steps 1050 --label candidate {rec}",
+        "ngram": f"cd $WORKTREES/ngram-{f} && {launcher} {shared} --set features.ngram=false --label ngram {rec}",
+        "graphs": f"cd $WORKTREES/graphs-{f} && SPEEDRUN_CUDA_GRAPHS=0 {launcher} {shared} --steps 1050 --label graphs "
+                  f"{rec}"}
+    order = ["baseline", "candidate", "ngram", "graphs"] * 2
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("run ")] == \
+        [f"run {i + 1}/8 {label}: {expected[label]}" for i, label in enumerate(order)]
+    assert not out.exists()
+
+
+def test_three_sides_each_get_statistics_a_verdict_and_a_colour(toy, monkeypatch, capsys, tmp_path, fast_launcher):
+    repo, commits = toy
+    out = tmp_path / "cert"
+    drawn_groups = []
+    real_plot = report.plot_curves
+    monkeypatch.setattr(report, "plot_curves", lambda groups, path: drawn_groups.append(
+        {k: len(v) for k, v in groups.items()}) or real_plot(groups, path))
+    assert _run(repo, monkeypatch, out, _many_sides(commits)) == 0
+    printed = capsys.readouterr().out
+    order = ["baseline", "candidate", "ngram", "graphs"] * 2
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [r["label"] for r in runs] == order and sorted(p.name for p in (out / "console").iterdir()) == \
+        [f"{i + 1:02d}-{label}.txt" for i, label in enumerate(order)]
+
+    # the fake's numbers, by hand: each side's two runs are its mean − 0.0005 and its mean (10 ms less, and not)
+    data = {"baseline": ([3.2745, 3.2750], [0.990, 1.000]),
+            "candidate": ([3.2685, 3.2690], [0.935, 0.945]),  # --steps 1050: 3.2740 − 0.005, 900 ms × 1.05
+            "ngram": ([3.2755, 3.2760], [0.890, 0.900]),  # --set features.ngram=false: + 0.002
+            "graphs": ([3.2685, 3.2690], [1.035, 1.045])}  # --steps 1050 and SPEEDRUN_CUDA_GRAPHS=0: + 100 ms
+    md = (out / "statistics.md").read_text()
+    means = {"baseline": ("0.995 ± 0.007", "3.27475 ± 0.00035"), "candidate": ("0.940 ± 0.007", "3.26875 ± 0.00035"),
+             "ngram": ("0.895 ± 0.007", "3.27575 ± 0.00035"), "graphs": ("1.040 ± 0.007", "3.26875 ± 0.00035")}
+    for label, (losses, times) in data.items():
+        row = _stats_row(md, label)
+        assert row[1:7] == ["2", "2", "0", "2", *means[label]], row
+        assert row[9] == _scipy_cells(losses, times)["p"]
+        if label != "baseline":
+            cells = _scipy_cells(losses, times, *data["baseline"])
+            cmp = _stats_row(md, f"{label} − baseline")
+            assert (cmp[2], cmp[4]) == (cells["p time"], cells["p loss"])
+    assert _stats_row(md, "candidate − baseline")[1] == "-0.055" and _stats_row(md, "graphs − baseline")[1] == "+0.045"
+    # the verdicts: the candidate passes (t = 45 on 1 df: p = 0.0071; 55 ms faster, p = 0.016); ngram is faster but
+    # its loss is above the bar (t = 17: p = 0.019); graphs has the candidate's loss but is 45 ms slower
+    verdicts = [line for line in md.splitlines() if line.startswith("- ") and "**" in line]
+    assert [v.split(":")[0] + ":" + v.split(":")[1] for v in verdicts] == \
+        ["- candidate: **PASS**", "- ngram: **FAIL**", "- graphs: **FAIL**"]
+    assert "time" not in verdicts[1] and "val loss 3.27575" in verdicts[1]
+    assert "val loss" not in verdicts[2] and "time +0.045 s vs baseline" in verdicts[2]
+    assert [line for line in printed.splitlines() if line.startswith("- ")] == verdicts  # the console's summary
+    # every side's line, the standalone script, the curves (one group, so one colour, per side)
+    for label in ("ngram", "graphs"):
+        assert any(line.startswith(f"- {label}: `{commits['fast']}` fake trainer: fast") for line in md.splitlines())
+    assert _standalone(out) == _section(md)
+    assert drawn_groups[-1] == {"baseline": 2, "candidate": 2, "ngram": 2, "graphs": 2}
+    assert "8 training curve(s) of 8 finished run(s), one colour per side (baseline, candidate, ngram, graphs" in md
+    readme = (out / "README.md").read_text()
+    assert all(v in readme.splitlines() for v in verdicts)
+    # the reproduce command parses back to the same sides
+    line = readme[readme.index("python -m records.certify"):]
+    args, _ = certify.parse_args(shlex.split(line[:line.index("\n```")].replace("\\\n", " "))[3:])
+    assert [s["label"] for s in certify.side_specs(args)] == ["baseline", "candidate", "ngram", "graphs"]
+    assert args.more_sides == {"ngram": {"rev": commits["fast"], "args": ["--set", "features.ngram=false"], "env": {}},
+                               "graphs": {"rev": commits["fast"], "args": ["--steps", "1050"],
+                                          "env": {"SPEEDRUN_CUDA_GRAPHS": "0"}}}
+    assert args.sides["candidate"]["args"] == ["--steps", "1050"] and args.candidate == commits["fast"]
+    assert len(_worktrees(repo)) == 1
+
+
+def _sweep(commits, steps):
+    return ["--baseline", commits["baseline"], "--candidate", commits["fast"], "--steps-sweep", steps]
+
+
+def test_steps_sweep_dry_run_lists_every_run(toy, monkeypatch, capsys, tmp_path):
+    repo, commits = toy
+    out = tmp_path / "cert"
+    assert _run(repo, monkeypatch, out, [*_sweep(commits, "1100,1050"), "--candidate-env", "SPEEDRUN_COMPILE=0",
+                                         "--dry-run"]) == 0
+    shards, b, f = str((repo.parent / "shards").resolve()), commits["baseline"][:12], commits["fast"][:12]
+    launcher = f"{shlex.quote(sys.executable)} -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt.py"
+    shared = f"--data-path {shards} --max-steps 3"
+    expected = {"baseline": f"cd $WORKTREES/baseline-{b} && {launcher} {shared} --label baseline --records-dir {out}"}
+    for n in (1100, 1050):
+        expected[f"steps{n}"] = (f"cd $WORKTREES/steps{n}-{f} && SPEEDRUN_COMPILE=0 {launcher} {shared} --steps {n} "
+                                 f"--label steps{n} --records-dir {out}")
+    order = ["baseline", "steps1100", "steps1050"] * 2
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("run ")] == \
+        [f"run {i + 1}/6 {label}: {expected[label]}" for i, label in enumerate(order)]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("steps, fewest", [
+    ("1100,1050", "1050"),  # both meet the bar (t = 45 and 65 on 1 df); 1050 is the fewer
+    ("900,1000", None),  # 3.2840 is above the target; 3.2740 below it, but t = 24 on 1 df: p = 0.013
+])
+def test_steps_sweep_names_the_fewest_steps_that_meet_the_bar(toy, monkeypatch, capsys, tmp_path, fast_launcher,
+                                                              steps, fewest):
+    repo, commits = toy
+    out = tmp_path / "cert"
+    # CI time: the curves are the many-sides test's business (matplotlib draws each picture in about a second)
+    monkeypatch.setattr(certify, "write_curves", lambda out_dir, rows, labels: "(no curves: a test)")
+    assert _run(repo, monkeypatch, out, _sweep(commits, steps)) == 0
+    printed = capsys.readouterr().out
+    counts = [int(n) for n in steps.split(",")]
+    ledger = json.loads((out / "certify.json").read_text())
+    assert ledger["plan"]["order"] == ["baseline", *(f"steps{n}" for n in counts)] * 2
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [r["git_commit"] for r in runs] == [commits["baseline"], commits["fast"], commits["fast"]] * 2
+    md = (out / "statistics.md").read_text()
+    sweep = md[md.index("## Step sweep"):]
+    for n in sorted(counts):  # the fake: 3.2740 + 0.0001 (1000 − n), its runs that − 0.0005 and that
+        mean = 3.2740 + 0.0001 * (1000 - n)
+        row = _stats_row(sweep, str(n))
+        p = _scipy_cells([round(mean - 0.0005, 4), round(mean, 4)], None)["p"]
+        assert row == [str(n), f"steps{n}", "2/2", f"{mean - 0.00025:.5f} ± 0.00035", p,
+                       "yes" if n in (1050, 1100) else "no"], row
+    conclusion = sweep.rstrip().splitlines()[-1]
+    if fewest:
+        assert conclusion.startswith(f"**Fewest steps that meet the bar: {fewest}** (steps{fewest}: runs 3, 6; "
+                                     f"mean val loss 3.26875 < 3.28, p = ")
+    else:
+        assert conclusion == ("**No step count met the bar**: none of 900, 1000 steps had every run finished and a "
+                              "mean val loss below 3.28 at p < 0.01.")
+    assert printed.splitlines()[-2] == conclusion  # the console's summary (then the files written)
+    assert conclusion in (out / "README.md").read_text().splitlines()
+    if fewest:  # the standalone script names the same fewest steps (once: it imports scipy, a second of CI)
+        assert _standalone(out) == _section(md)
+    assert "\t".join(["2", f"steps{counts[0]}", commits["fast"], "finished"]) in (out / "runs.tsv").read_text()
+    assert len(_worktrees(repo)) == 1
+
+
+def test_a_v1_ledger_is_read_and_an_unknown_one_refused(tmp_path):
+    plan = {"name": "x", "repo": "/r", "runs_per_group": 2, "nproc": 1, "train_args": [],
+            "baseline": {"rev": "HEAD", "commit": "a" * 40, "subject": "s", "args": [], "env": {}},
+            "candidate": {"rev": "HEAD", "commit": "a" * 40, "subject": "s", "args": ["--x"], "env": {}},
+            "order": ["baseline", "candidate"] * 2}
+    (tmp_path / "certify.json").write_text(json.dumps({"version": 1, "plan": plan, "runs": [],
+                                                        "interrupted_attempts": []}))
+    ledger = certify.load_ledger(tmp_path)
+    assert ledger["version"] == 2 and list(ledger["plan"]["sides"]) == ["baseline", "candidate"]
+    assert ledger["plan"]["sides"]["candidate"]["args"] == ["--x"] and "baseline" not in ledger["plan"]
+    (tmp_path / "certify.json").write_text(json.dumps({"version": 99, "plan": plan}))
+    with pytest.raises(certify.CertifyError, match="has version 99, expected 2"):
+        certify.load_ledger(tmp_path)
