@@ -60,16 +60,17 @@ def single_thread():
 # at the end while the other core idles, so the longest go first, longest first (seconds: one fresh-clone
 # `.ci/run`'s --durations summed per file, the long subprocess runs of tests/long_runs.py included).
 # A stale order costs only time; a file that no longer exists stops the session.
-LONGEST_FILES_FIRST = (   # seconds per file, fresh clone of e109c7e, 2 workers, load 4-6 (2026-12-03)
-    "tests/run/test_run_smoke.py",                          # 760: the smoke acceptance run, 70 steps (then 2 ranks)
-    "tests/tools/test_tools_cross_compile.py",              # 605: SM90 and L40S cross-compiles
-    "tests/run/test_run_train.py",                          # 320
-    "tests/model/test_model_compile_record.py",             # 272: the record shapes traced
-    "tests/tools/test_tools_gpu_check.py",                  # 257: gpu_check's dry run
-    "tests/run/test_run_virtual_ranks.py",                  # 251
-    "tests/run/test_run_proposals.py",                      # ~100 alone: --proposal doc_copy compiled and captured, 19 steps
-    "tests/perf/test_perf_cuda_graphs_capture.py",    # 90
-    "tests/perf/test_perf_host_table.py",           # 73
+LONGEST_FILES_FIRST = (   # seconds per file, from the slowest tests of a fresh clone's CI run, 2 workers (2026-12-06)
+    "tests/run/test_run_smoke.py",                          # 640: the smoke acceptance run, 35 steps
+    "tests/run/test_run_train.py",                          # 350
+    "tests/run/test_run_proposals.py",                      # 285: the stack compiled and captured, 19 steps
+    "tests/run/test_run_virtual_ranks.py",                  # 270
+    "tests/perf/test_perf_host_table.py",                   # 150
+    "tests/tools/test_tools_cross_compile.py",              # 140: SM90 and L40S cross-compiles
+    "tests/perf/test_perf_cuda_graphs_capture.py",          # 110
+    "tests/model/test_model_compile_record.py",             # 95: the record shapes traced
+    "tests/tools/test_tools_gpu_check.py",                  # 55: gpu_check's dry run
+    "tests/run/test_run_features.py",                       # 50
     "tests/records/test_records_certify.py",
     "tests/optim/test_optim_distributed.py",
     "tests/tools/test_tools_capture_contract.py",

@@ -70,9 +70,9 @@ def test_mode_two_runs_the_restricted_backward_on_exactly_the_five_layers_with_t
     calibration.tables[8].fill_(64)  # one layer shortened: the others stay full
     calls, original = [], attention_module.restricted_backward_attention
 
-    def recording(q, k, v, cu_seqlens, window, scale, head_windows, paired=False):
+    def recording(q, k, v, cu_seqlens, window, scale, head_windows, paired=False, max_seqlen=None):
         calls.append((q.shape[1], window, head_windows, paired))
-        return original(q, k, v, cu_seqlens, window, scale, head_windows, paired)
+        return original(q, k, v, cu_seqlens, window, scale, head_windows, paired, max_seqlen)
 
     monkeypatch.setattr(attention_module, "restricted_backward_attention", recording)
     loss0, grads0 = stock  # (modes 0 and 1 never call it: mode 1's gradients are mode 0's, bit for bit, below)

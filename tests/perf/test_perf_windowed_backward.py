@@ -206,6 +206,16 @@ def test_compiled_fullgraph_reads_the_table_at_run_time():
     assert counter.frame_count == 1  # one graph: the new codes did not recompile it
 
 
+def _paired_layer(T, H, cut, seed):
+    """A paired layer's leaves q, k [T, H, 8], v [T, H, 16] (requiring grad), two documents cut at `cut`,
+    an all-full table of H/2 stream heads, and an output gradient [T, H, 16]."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(T, H, 8, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(T, H, 16, generator=g).requires_grad_()
+    cu = torch.tensor([0, cut, T, T], dtype=torch.int32)
+    return q, k, v, cu, torch.full((H // 2,), -1, dtype=torch.int32), torch.randn(T, H, 16, generator=g)
+
+
 def test_the_restricted_backward_compiles_fullgraph_and_reads_its_table_at_run_time():
     """Mode 2 as the model calls it (`restricted_backward_attention`, paired), under torch.compile(fullgraph,
     aot_eager): one graph, the eager values, and a table rewritten in place after compiling (as the calibration
@@ -213,12 +223,8 @@ def test_the_restricted_backward_compiles_fullgraph_and_reads_its_table_at_run_t
     from perf.windowed_backward import restricted_backward_attention
     from torch._dynamo.testing import CompileCounter
 
-    g = torch.Generator().manual_seed(0)
     T, H, W = 256, 6, 96
-    q, k = (torch.randn(T, H, 8, generator=g).requires_grad_() for _ in range(2))
-    v = torch.randn(T, H, 16, generator=g).requires_grad_()
-    cu = torch.tensor([0, 100, T, T], dtype=torch.int32)
-    table = torch.full((H // 2,), -1, dtype=torch.int32)
+    q, k, v, cu, table, _ = _paired_layer(T, H, cut=100, seed=0)
 
     def fn(q, k, v):
         return restricted_backward_attention(q, k, v, cu, W, 0.3, table, paired=True)
@@ -291,13 +297,8 @@ def test_the_fa3_path_is_two_opaque_ops_with_fa3s_output_and_the_twins_gradients
 
     fa3 = _NumericFA3()
     monkeypatch.setattr(attention_backends, "_fa3_interface", fa3)
-    g = torch.Generator().manual_seed(3)
     T, H, W = 48, 6, 20
-    q, k = (torch.randn(T, H, 8, generator=g).requires_grad_() for _ in range(2))
-    v = torch.randn(T, H, 16, generator=g).requires_grad_()
-    cu = torch.tensor([0, 20, T, T], dtype=torch.int32)
-    table = torch.full((H // 2,), -1, dtype=torch.int32)
-    d_y = torch.randn(T, H, 16, generator=g)
+    q, k, v, cu, table, d_y = _paired_layer(T, H, cut=20, seed=3)
     with use_backend(attention="fa3", triton=triton, compile=True, compile_backend="aot_eager"):
         counter = CompileCounterWithBackend("aot_eager")
         compiled = torch.compile(lambda q, k, v: restricted_backward_attention(q, k, v, cu, W, SCALE, table, paired=True,
