@@ -98,8 +98,18 @@ def sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w
     pos = torch.arange(n, device=q.device)
     # (1, heads, n, d): SDPA's fused kernels (the CPU flash kernel among them, which takes a boolean
     # mask) need 4-D inputs; 3-D ones always run the unfused math path, ours: 4-7x slower on 2 cores.
-    # The fused kernel needs d_qk == d_v; the mixed-width layers take the math path either way.
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    # On the CPU the flash kernel runs in fp32, on heads of one width. Its bf16 backward is 3x slower than its
+    # fp32 one, and a layer whose d_qk and d_v differ (64 and 128: the paired layers 0, 2, 5) takes the unfused
+    # math path (measured at a smoke paired layer, 3 heads × 3,072 positions, one thread, forward + backward:
+    # bf16 math 0.79 s, bf16 flash 0.68 s, fp32 flash 0.25 s; 2026-12-06). fp32 inside is what FA3 keeps for
+    # the scores and the softmax; zero columns keep the math (a zero-padded q·k adds only 0·0 terms; a zero
+    # value column, were d_v the narrower, fills an output column that is dropped).
+    d_v, dtype = v.shape[-1], v.dtype
+    if q.device.type == "cpu":
+        width = max(q.shape[-1], d_v)
+        compute = torch.promote_types(dtype, torch.float32)  # bf16 → fp32; fp64 (the tests' references) stays
+        q, k, v = (F.pad(t.to(compute), (0, width - t.shape[-1])) for t in (q, k, v))
     outputs = []
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
@@ -107,8 +117,8 @@ def sdpa_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, w
         mask = _window_mask(seg, pos, slice(lo, hi), slice(k_lo, hi), window)  # (chunk, keys)
         outputs.append(F.scaled_dot_product_attention(q[:, :, lo:hi], k[:, :, k_lo:hi], v[:, :, k_lo:hi],
                                                       attn_mask=mask, scale=softmax_scale))
-    y = torch.cat(outputs, dim=2)[0]  # (heads, n, d_v)
-    return y.transpose(0, 1).reshape(T, H, v.shape[-1])
+    y = torch.cat(outputs, dim=2)[0, ..., :d_v].to(dtype)  # (heads, n, d_v)
+    return y.transpose(0, 1).reshape(T, H, d_v)
 
 
 # ------------------------------------------------------------------------------------------------

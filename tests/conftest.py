@@ -60,16 +60,16 @@ def single_thread():
 # at the end while the other core idles, so the longest go first, longest first (seconds: one fresh-clone
 # `.ci/run`'s --durations summed per file, the long subprocess runs of tests/long_runs.py included).
 # A stale order costs only time; a file that no longer exists stops the session.
-LONGEST_FILES_FIRST = (   # seconds per file, from the slowest tests of a fresh clone's CI run, 2 workers (2026-12-06)
-    "tests/run/test_run_smoke.py",                          # 640: the smoke acceptance run, 35 steps
-    "tests/run/test_run_train.py",                          # 350
-    "tests/run/test_run_proposals.py",                      # 285: the stack compiled and captured, 19 steps
-    "tests/run/test_run_virtual_ranks.py",                  # 270
-    "tests/perf/test_perf_host_table.py",                   # 150
-    "tests/tools/test_tools_cross_compile.py",              # 140: SM90 and L40S cross-compiles
-    "tests/perf/test_perf_cuda_graphs_capture.py",          # 110
-    "tests/model/test_model_compile_record.py",             # 95: the record shapes traced
-    "tests/tools/test_tools_gpu_check.py",                  # 55: gpu_check's dry run
+LONGEST_FILES_FIRST = (   # seconds per file, one fresh-clone CI run, 2 workers (2026-12-06; "before": the cuts since)
+    "tests/run/test_run_smoke.py",                          # 700 before: the smoke acceptance run, 35 steps
+    "tests/run/test_run_train.py",                          # 405
+    "tests/run/test_run_proposals.py",                      # 300: the stack compiled and captured, 19 steps
+    "tests/run/test_run_virtual_ranks.py",                  # 263
+    "tests/tools/test_tools_cross_compile.py",              # 153: SM90 and L40S cross-compiles
+    "tests/perf/test_perf_host_table.py",                   # 147
+    "tests/perf/test_perf_cuda_graphs_capture.py",          # 125
+    "tests/tools/test_tools_gpu_check.py",                  # 69: gpu_check's dry run
+    "tests/model/test_model_compile_record.py",             # 114 before: the record shapes traced, FA3 a stand-in op
     "tests/run/test_run_features.py",                       # 50
     "tests/records/test_records_certify.py",
     "tests/optim/test_optim_distributed.py",

@@ -2,7 +2,8 @@
 
 Dynamo decides graph breaks, guards and recompiles from the Python it traces, whatever the device,
 so the record's 8-rank shapes (16,384 to 49,152 tokens per rank) can be checked on a CPU machine
-with meta tensors (no memory, no arithmetic). The `eager` backend stops after dynamo: AOT autograd
+with meta tensors (no memory, no arithmetic) and the record's attention, FA3, as the cross-compiles' shape-only
+stand-in op. The `eager` backend stops after dynamo: AOT autograd
 at record shapes takes minutes on 2 cores, and tests/run's compiled smoke run traces the backward
 with `aot_eager` on the same code. The training forward and backward both run (on meta).
 """
@@ -47,13 +48,20 @@ def _step_inputs(schedule: TrainingSchedule, step: int, dim: int):
 
 
 @pytest.mark.slow
-def test_record_shapes_one_graph_per_geometry_and_none_after():
+def test_record_shapes_one_graph_per_geometry_and_none_after(monkeypatch):
     cfg = RUN_PRESETS["record"]
     schedule = TrainingSchedule(cfg.schedule)
     groups = _distinct_shapes(schedule)
     assert len(groups) == 6  # stages 0, 1, stage 2 at two P, the taper, the extension
+    # The record's attention, FA3, as the cross-compiles trace it: one opaque op per layer with a shape-only
+    # kernel (tools/fake_gpu.py). The portable SDPA would trace a mask and a call per 2,048-query chunk, up to
+    # 48 per paired layer at these shapes, which is not the record's graph and was most of this test's time.
+    from perf import attention_backends
+    from tools.fake_gpu import fa3_standin
+
+    monkeypatch.setattr(attention_backends, "_fa3_interface", fa3_standin())
     torch._dynamo.reset()
-    with perf_backend.use_backend(triton=False, attention="sdpa", fp8=True, host_checks=False):
+    with perf_backend.use_backend(triton=False, attention="fa3", fp8=True, host_checks=False):
         with torch.device("meta"):
             model = GPT(cfg.model)
         model.refresh_fp8()

@@ -71,3 +71,43 @@ def test_bad_cu_seqlens_are_rejected():
         sdpa_varlen_attention(q, q, q, torch.tensor([0, 4, 6], dtype=torch.int32), 8, 1.0)
     with pytest.raises(ValueError, match="cu_seqlens"):
         sdpa_varlen_attention(q, q, q, torch.tensor([0, 6, 4, 8], dtype=torch.int32), 8, 1.0)
+
+
+def _dense_reference(q, k, v, cu, window, scale):
+    """Unpaired attention in float64 as three plain expressions: scores, masked softmax, weighted values."""
+    mask = varlen_attention_mask(cu, q.shape[0], window)  # (T, T)
+    scores = torch.einsum("thd,shd->hts", q.double(), k.double()) * scale
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.einsum("hts,shd->thd", weights, v.double())
+
+
+@pytest.mark.parametrize("dqk, dv", [(8, 16), (16, 8)])
+def test_mixed_widths_take_the_fused_cpu_kernel_with_the_dense_gradients(dqk, dv):
+    """On the CPU, a layer whose q/k and v widths differ runs SDPA's fused kernel on zero-padded fp32 heads
+    (the math path, or the bf16 kernel, was about 3x slower at the smoke shapes), and its output and its q, k, v
+    gradients are the dense formula's; bf16 heads give the fp32 computation rounded once to bf16."""
+    gen = torch.Generator().manual_seed(7)
+    T, H, window = 40, 4, 9
+    cu = _random_cu_seqlens(gen, T, pad=1)
+    q, k, v = (torch.randn(T, H, d, generator=gen, requires_grad=True) for d in (dqk, dqk, dv))
+    probe = torch.randn(T, H, dv, generator=gen)
+    with torch.profiler.profile() as prof:
+        got = sdpa_varlen_attention(q, k, v, cu, window, 0.3, chunk=16)
+        (got * probe).sum().backward()
+    names = {event.key for event in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names, sorted(names)
+    assert "aten::_scaled_dot_product_attention_math" not in names
+    grads = [t.grad.double() for t in (q, k, v)]  # float32 leaves: the reference accumulates in float64 below
+    for t in (q, k, v):
+        t.grad = None
+    want = _dense_reference(q, k, v, cu, window, 0.3)
+    (want * probe.double()).sum().backward()
+    assert got.shape == (T, H, dv)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, t.grad.double(), rtol=1e-4, atol=1e-5)
+    q16, k16, v16 = (t.detach().bfloat16() for t in (q, k, v))
+    got16 = sdpa_varlen_attention(q16, k16, v16, cu, window, 0.3, chunk=16)
+    assert got16.dtype == torch.bfloat16
+    assert torch.equal(got16, sdpa_varlen_attention(q16.float(), k16.float(), v16.float(), cu, window, 0.3,
+                                                    chunk=16).bfloat16())
