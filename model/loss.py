@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from model.canonical_mask import apply_canonical_mask
 from model.cplm import COPY_TOKEN_ID, copy_column_index, mixture_nll, validation_sums
 from perf.backend import host_checks
+from perf.bf16_gemm import bf16_matmul
 from perf.kernels.cross_entropy import softcapped_loss_lse
 from perf.fp8 import fp8_lm_head_loss
 
@@ -141,7 +142,7 @@ def training_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, mtp_weights, pr
         # the logits in the GEMM's dtype (bf16 in training), as the fp8 path keeps its e4m3 ones: the
         # CE reads them, keeps them for its backward and writes the gradient in their dtype; its fp32
         # temporaries live one slab of rows at a time, so no fp32 [T, N] exists
-        out = softcapped_loss_lse(x @ w, targets, ce_weights, prefix_targets, prefix_weight, **gather)
+        out = softcapped_loss_lse(bf16_matmul(x, w), targets, ce_weights, prefix_targets, prefix_weight, **gather)
     loss, lse = out[0], out[1]
     if copy is not None:
         z_target, z_copy = out[2].unbind(1)  # (T,), (T,)
@@ -157,7 +158,7 @@ def validation_logits(x: Tensor, lm_head_w: Tensor) -> Tensor:
     softcap (in the logits' dtype), then fp32 [T, V]. `validation_loss` is their cross-entropy;
     evaluate.py reads per-token log-probabilities and next-token choices from them (GPT.forward with
     StepArgs(training=False, logits=True))."""
-    return softcap(x @ lm_head_w).float()
+    return softcap(bf16_matmul(x, lm_head_w)).float()  # (T, V); bf16 GEMMs on a CPU: perf/bf16_gemm.py
 
 
 def validation_loss(x: Tensor, lm_head_w: Tensor, targets: Tensor, inputs: Tensor | None = None,
